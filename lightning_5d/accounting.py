@@ -1,0 +1,75 @@
+"""Bytes a rank really holds for model state: parameters, gradients, optimizer states.
+
+Counted from the tensors themselves (local shards of DTensors), so the numbers can be put
+next to the planner's formulas. A tensor that is a view of memory already counted (a ZeRO
+shard that aliases its parameter) is not counted twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Iterable
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total": self.total}
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` stored on this rank (the local shard of a DTensor)."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if inner is not None else t
+
+
+class _StorageSet:
+    """Byte ranges already counted, keyed by storage, so aliasing views are free."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, list[tuple[int, int]]] = {}
+
+    def add(self, t: torch.Tensor) -> int:
+        t = local_tensor(t)
+        if t.numel() == 0:
+            return 0
+        base = t.untyped_storage().data_ptr()
+        start = t.storage_offset() * t.element_size()
+        end = start + t.numel() * t.element_size()
+        spans = self._seen.setdefault(base, [])
+        if any(s <= start and end <= e for s, e in spans):
+            return 0
+        spans.append((start, end))
+        return end - start
+
+
+def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> ModelStateBytes:
+    seen = _StorageSet()
+    params = sum(seen.add(p) for p in module.parameters())
+    grads = sum(seen.add(p.grad) for p in module.parameters() if p.grad is not None)
+    optimizer = 0
+    for opt in optimizers:
+        opt = getattr(opt, "_optimizer", opt)  # unwrap LightningOptimizer
+        for group in opt.param_groups:
+            for p in group["params"]:
+                # A separate master copy (mixed precision, ZeRO shard) is optimizer state.
+                optimizer += seen.add(p)
+                if p.grad is not None:
+                    grads += seen.add(p.grad)
+        for state in opt.state.values():
+            for value in state.values():
+                # Scalar entries (Adam's `step`) are bookkeeping, not per-parameter state.
+                if isinstance(value, torch.Tensor) and local_tensor(value).dim() > 0:
+                    optimizer += seen.add(value)
+    return ModelStateBytes(params=params, grads=grads, optimizer=optimizer)
