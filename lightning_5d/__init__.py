@@ -1,3 +1,32 @@
-"""lightning_5d: 5D parallel training for existing LightningModules."""
+"""lightning_5d: 5D parallel training for existing LightningModules.
+
+``import lightning_5d`` registers ``Trainer(strategy="5d")``.
+"""
 
 __version__ = "0.1.0"
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_5d.config import (
+    ActivationCheckpointing,
+    DimensionNotAvailableError,
+    Layout,
+    LayoutError,
+    ParallelConfig,
+    ZeroStage,
+)
+from lightning_5d.strategy import FiveDStrategy
+
+if FiveDStrategy.strategy_name not in StrategyRegistry:
+    FiveDStrategy.register_strategies(StrategyRegistry)
+
+__all__ = [
+    "ActivationCheckpointing",
+    "DimensionNotAvailableError",
+    "FiveDStrategy",
+    "Layout",
+    "LayoutError",
+    "ParallelConfig",
+    "ZeroStage",
+    "__version__",
+]

@@ -1,0 +1,98 @@
+"""ZeRO-3: parameters, gradients and optimizer states sharded with FSDP2 ``fully_shard``.
+
+One FSDP unit per transformer block (so at most one block's parameters are gathered at a
+time) plus one for the module that owns everything else (embedding, final norm, head).
+That module is the lowest common ancestor of the remaining parameters, not the
+LightningModule itself: Lightning calls ``training_step``, not ``forward``, so FSDP's
+forward hooks on the LightningModule would never unshard those parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from lightning_5d.mesh import ParallelMesh
+from lightning_5d.plan.blocks import ModelMappingError
+
+
+def fsdp_mesh(mesh: ParallelMesh):
+    # HSDP: replicate over dp_replicate, shard over dp_shard x cp.
+    if mesh.size("dp_replicate") > 1:
+        return mesh[("dp_replicate", "dp_shard")] if mesh.size("cp") == 1 else _hsdp_with_cp(mesh)
+    return mesh["dp_shard_cp"]
+
+
+def _hsdp_with_cp(mesh: ParallelMesh):
+    raise ModelMappingError("HSDP (dp_replicate > 1) with ZeRO-3 and cp > 1 is not available yet; use cp=1.")
+
+
+def apply_fsdp(
+    module: nn.Module,
+    blocks: Sequence[nn.Module],
+    mesh: ParallelMesh,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> list[FSDPModule]:
+    """Shard ``module`` in place; returns the FSDP units, outermost last."""
+    dp_mesh = fsdp_mesh(mesh)
+    policy = mp_policy or MixedPrecisionPolicy()
+    units: list[FSDPModule] = []
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed first in backward: keep them gathered.
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1)
+        units.append(block)  # type: ignore[arg-type]
+    root = _root_for_remaining(module, blocks)
+    if root is not None:
+        fully_shard(root, mesh=dp_mesh, mp_policy=policy)
+        units.append(root)  # type: ignore[arg-type]
+    _set_prefetch(units[: len(blocks)])
+    return units
+
+
+def _set_prefetch(blocks: Sequence[FSDPModule]) -> None:
+    # One block ahead in both directions: gathers overlap compute, memory stays ~2 blocks.
+    for prev, nxt in zip(blocks, blocks[1:]):
+        prev.set_modules_to_forward_prefetch([nxt])
+        nxt.set_modules_to_backward_prefetch([prev])
+
+
+def _root_for_remaining(module: nn.Module, blocks: Sequence[nn.Module]) -> nn.Module | None:
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    owners = [
+        name.rsplit(".", 1)[0] if "." in name else ""
+        for name, p in module.named_parameters(remove_duplicate=False)
+        if id(p) not in in_blocks
+    ]
+    if not owners:
+        return None
+    prefix = _common_prefix([o.split(".") if o else [] for o in owners])
+    if not prefix:
+        raise ModelMappingError(
+            f"ZeRO-3 needs one submodule that holds every parameter outside the blocks, but "
+            f"{type(module).__name__} keeps some directly on itself or in sibling modules "
+            f"({sorted(set(owners))[:4]}). Move the embedding, blocks, final norm and head into one "
+            f"nn.Module attribute (e.g. `self.model`) and call it from training_step, or use zero=0..2."
+        )
+    return module.get_submodule(".".join(prefix))
+
+
+def _common_prefix(paths: list[list[str]]) -> list[str]:
+    prefix = paths[0]
+    for p in paths[1:]:
+        n = 0
+        while n < min(len(prefix), len(p)) and prefix[n] == p[n]:
+            n += 1
+        prefix = prefix[:n]
+    return prefix
+
+
+def set_gradient_sync(units: Sequence[FSDPModule], enabled: bool) -> None:
+    for unit in units:
+        unit.set_requires_gradient_sync(enabled, recurse=False)
+
+
+def default_policy(param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)

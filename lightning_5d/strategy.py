@@ -1,0 +1,340 @@
+"""``FiveDStrategy``: Lightning lifecycle glue. Every real job is delegated:
+layout validation to ``config``, ranks and groups to ``mesh``, sharding to ``parallel``.
+"""
+
+from __future__ import annotations
+
+import atexit
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Generator, Mapping
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_5d import checkpoint as ckpt
+from lightning_5d.config import AUTO, ActivationCheckpointing, Layout, ParallelConfig, ZeroStage, validate_early
+from lightning_5d.mesh import ParallelMesh
+from lightning_5d.parallel.activation_checkpoint import apply_activation_checkpointing
+from lightning_5d.parallel.data import ZeroDataParallel, broadcast_module
+from lightning_5d.parallel.fsdp import apply_fsdp, set_gradient_sync
+from lightning_5d.plan.blocks import find_blocks, require_blocks
+
+
+class FiveDStrategy(ParallelStrategy):
+    """Data (ZeRO-0..3, HSDP), tensor, context, pipeline and expert parallelism on one mesh.
+
+    Sizes are keyword arguments (``dp_replicate``, ``dp_shard``, ``cp``, ``tp``, ``pp``, ``ep``);
+    ``dp_shard="auto"`` absorbs whatever the other sizes leave of the world.
+    """
+
+    strategy_name = "5d"
+
+    def __init__(
+        self,
+        dp_replicate: int | str = 1,
+        dp_shard: int | str = AUTO,
+        cp: int | str = 1,
+        tp: int | str = 1,
+        pp: int | str = 1,
+        ep: int | str = 1,
+        zero: int | ZeroStage = ZeroStage.OPTIMIZER,
+        activation_checkpointing: str | ActivationCheckpointing = ActivationCheckpointing.NONE,
+        rank_order: tuple[str, ...] | None = None,
+        bucket_size_mb: float = 25.0,
+        pipeline: Mapping[str, Any] | None = None,
+        context: Mapping[str, Any] | None = None,
+        expert: Mapping[str, Any] | None = None,
+        *,
+        config: ParallelConfig | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if config is None:
+            sections = {k: v for k, v in (("pipeline", pipeline), ("context", context), ("expert", expert)) if v}
+            config = ParallelConfig(
+                dp_replicate=dp_replicate,
+                dp_shard=dp_shard,
+                cp=cp,
+                tp=tp,
+                pp=pp,
+                ep=ep,
+                zero=zero,
+                activation_checkpointing=activation_checkpointing,
+                bucket_size_mb=bucket_size_mb,
+                **({"rank_order": rank_order} if rank_order is not None else {}),
+                **sections,
+            )
+        validate_early(config)
+        self.config = config
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._layout: Layout | None = None
+        self._mesh: ParallelMesh | None = None
+        self._zero: ZeroDataParallel | None = None
+        self._fsdp_units: list = []
+        self.num_nodes = 1
+
+    @classmethod
+    def from_config(cls, config: ParallelConfig | Mapping[str, Any], **kwargs: Any) -> "FiveDStrategy":
+        if not isinstance(config, ParallelConfig):
+            config = ParallelConfig.from_mapping(config)
+        return cls(config=config, **kwargs)
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def layout(self) -> Layout:
+        if self._layout is None:
+            raise RuntimeError("the layout is resolved in setup_environment(), once the world size is known.")
+        return self._layout
+
+    @property
+    def mesh(self) -> ParallelMesh:
+        if self._mesh is None:
+            raise RuntimeError("the device mesh exists only after the process group has started.")
+        return self._mesh
+
+    @property
+    def zero_stage(self) -> ZeroStage:
+        return self.config.zero
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning injects its DistributedSampler only for strategies that say so.
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # tp/cp/pp peers must read the same samples: replicas are the data ranks only.
+        return {"num_replicas": self.mesh.data_size, "rank": self.mesh.data_rank}
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # optimizer states only exist in their sharded form after setup
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint() restores them itself
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    # ------------------------------------------------------------------ lifecycle
+    @override
+    def setup_environment(self) -> None:
+        # Validate before any process group exists, so a bad layout costs nothing.
+        self._layout = self.config.resolve(self.num_nodes * self.num_processes)
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        self._mesh = ParallelMesh(self._layout, self.root_device.type)
+        # Gloo aborts the process if its groups are still alive during interpreter shutdown,
+        # which would turn every finished run into a crash; a later Trainer may still reuse it.
+        atexit.register(_destroy_process_group)
+        rank_zero_info(f"[lightning_5d] layout: {self._layout.describe()}, zero={int(self.config.zero)}")
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup(self, trainer) -> None:
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._parallelize(self.lightning_module)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            if self._zero is not None:
+                for optimizer in self.optimizers:
+                    self._zero.shard_optimizer(optimizer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _parallelize(self, module: torch.nn.Module) -> None:
+        """The fixed order of the design: ... -> activation checkpointing -> ZeRO/FSDP."""
+        if self._zero is not None or self._fsdp_units:
+            return  # already parallelized (e.g. fit after validate)
+        broadcast_module(module, self.mesh)
+        if self.config.activation_checkpointing != ActivationCheckpointing.NONE:
+            _, blocks = require_blocks(module, f"activation_checkpointing={self.config.activation_checkpointing.value}")
+            apply_activation_checkpointing(blocks, self.config.activation_checkpointing)
+        if self.config.zero == ZeroStage.PARAMETERS:
+            _, blocks = find_blocks(module)
+            self._fsdp_units = apply_fsdp(module, blocks, self.mesh)
+        else:
+            self._zero = ZeroDataParallel(module, self.mesh, self.config.zero, self.config.bucket_size_mb)
+
+    @override
+    def setup_optimizers(self, trainer) -> None:
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Skip gradient reduction on micro-batches that only accumulate."""
+        if self._zero is not None:
+            self._zero.require_sync = False
+        set_gradient_sync(self._fsdp_units, False)
+        try:
+            yield
+        finally:
+            if self._zero is not None:
+                self._zero.require_sync = True
+            set_gradient_sync(self._fsdp_units, True)
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        if self._zero is not None:
+            self._zero.finish_gradient_sync()
+
+    @property
+    def comm_bytes(self) -> dict[str, int]:
+        """Bytes sent per collective by the data-parallel engine since setup (stages 0-2)."""
+        return dict(self._zero.comm_bytes) if self._zero is not None else {}
+
+    # ------------------------------------------------------------------ collectives
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def teardown(self) -> None:
+        if self._zero is not None:
+            self._zero.remove()
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return ckpt.full_model_state(self.lightning_module, sharded=bool(self._fsdp_units))
+
+    @override
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        if self._fsdp_units:
+            return ckpt.fsdp_optimizer_state(self.lightning_module, optimizer)
+        assert self._zero is not None
+        return self._zero.full_optimizer_state(optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        # Everything was gathered into full tensors on every rank's call; rank 0 writes.
+        if self.is_global_zero:
+            ckpt.atomic_save(checkpoint, filepath, self.checkpoint_io, storage_options)
+        self.barrier("save_checkpoint")
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # done in load_checkpoint, before the optimizer states that depend on it
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass
+
+    @override
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = ckpt.load_file(self.checkpoint_io, checkpoint_path, weights_only)
+        module = self.lightning_module
+        ckpt.load_full_model_state(module, checkpoint["state_dict"], sharded=bool(self._fsdp_units))
+        if self._zero is not None:
+            self._zero.refresh_masters()
+        for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
+            if self._fsdp_units:
+                ckpt.load_fsdp_optimizer_state(module, optimizer, state)
+            else:
+                assert self._zero is not None
+                self._zero.load_full_optimizer_state(optimizer, state)
+        return checkpoint
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="lightning_5d: DP/ZeRO-0..3 + TP/SP + CP + PP + EP on one device mesh",
+        )
+
+
+def _destroy_process_group() -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        # A rank that tears its connections down while a peer still flushes the last
+        # collective makes that peer abort: leave together. Bounded, so a dead peer
+        # cannot turn a finished run into a hang.
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timedelta(seconds=60))
+        else:
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,29 @@
+"""Shared by the multi-process scripts and the single-process references of the tests."""
+
+import torch
+
+from lightning_5d.models import LlamaConfig, LlamaLM, TextDataModule
+
+# Small enough for 4 processes on 2 cores, big enough to have several blocks and buckets.
+TINY = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
+SEQ_LEN = 32
+BATCH_SIZE = 2  # per data rank
+NUM_SAMPLES = 256
+
+
+class RecordingLM(LlamaLM):
+    """The reference model, unchanged, plus a record of each micro-batch's loss."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(loss.detach().clone())
+        return loss
+
+
+def make_datamodule() -> TextDataModule:
+    return TextDataModule(seq_len=SEQ_LEN, batch_size=BATCH_SIZE, num_samples=NUM_SAMPLES, val_samples=16)
+SCRIPTS = __import__("pathlib").Path(__file__).parent

@@ -1,0 +1,78 @@
+"""One multi-process training run of the reference model under FiveDStrategy.
+
+Started by the tests under torch.distributed.run (Lightning detects torchelastic and does
+not re-launch). Rank 0 writes the per-micro-batch losses (averaged over data ranks), the
+final full parameters, and each rank's model-state bytes measured before the 2nd step.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+import lightning_5d
+from lightning_5d.accounting import model_state_bytes
+from lightning_5d.checkpoint import full_model_state
+from tests_support import TINY, RecordingLM, make_datamodule
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--zero", type=int, default=1)
+parser.add_argument("--dp-replicate", type=int, default=1)
+parser.add_argument("--accumulate", type=int, default=1)
+parser.add_argument("--clip", type=float, default=None)
+parser.add_argument("--steps", type=int, default=5)
+parser.add_argument("--ac", default="none")
+parser.add_argument("--precision", default="32-true")
+parser.add_argument("--out", required=True)
+args = parser.parse_args()
+
+
+class MeasureModelState(L.Callback):
+    def __init__(self):
+        self.bytes = None
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step == 1 and self.bytes is None:  # optimizer states exist after step 1
+            self.bytes = model_state_bytes(pl_module, trainer.optimizers).as_dict()
+
+
+L.seed_everything(0)
+model = RecordingLM(config=TINY, lr=1e-2)
+strategy = lightning_5d.FiveDStrategy(
+    dp_replicate=args.dp_replicate, zero=args.zero, activation_checkpointing=args.ac, bucket_size_mb=0.05
+)
+measure = MeasureModelState()
+trainer = L.Trainer(
+    accelerator="cpu",
+    strategy=strategy,
+    devices=int(__import__("os").environ["WORLD_SIZE"]),
+    precision=args.precision,
+    max_steps=args.steps,
+    accumulate_grad_batches=args.accumulate,
+    gradient_clip_val=args.clip,
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    limit_val_batches=0,
+    callbacks=[measure],
+)
+trainer.fit(model, datamodule=make_datamodule())
+
+losses = torch.stack(model.losses)
+dist.all_reduce(losses, group=strategy.mesh.group("dp"))
+losses /= strategy.mesh.data_size
+state = full_model_state(model, sharded=args.zero == 3)
+per_rank = [None] * dist.get_world_size()
+dist.all_gather_object(per_rank, measure.bytes)
+comm = [None] * dist.get_world_size()
+dist.all_gather_object(comm, strategy.comm_bytes)
+if dist.get_rank() == 0:
+    out = Path(args.out)
+    torch.save({k: v.detach().clone() for k, v in state.items()}, out / "params.pt")
+    (out / "result.json").write_text(
+        json.dumps({"losses": losses.tolist(), "model_state_bytes": per_rank, "comm_bytes": comm})
+    )
