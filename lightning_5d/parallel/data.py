@@ -52,7 +52,11 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Adadelta,
 )
 
-MASTER_DTYPE = torch.float32
+
+
+def master_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    """Optimizer math runs in at least fp32 (fp64 parameters stay fp64)."""
+    return torch.promote_types(param_dtype, torch.float32)
 
 
 @dataclass
@@ -84,12 +88,12 @@ class ZeroDataParallel:
         mesh: ParallelMesh,
         stage: ZeroStage,
         bucket_size_mb: float = 25.0,
-        reduce_dtype: torch.dtype = torch.float32,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         if stage == ZeroStage.PARAMETERS:
             raise ValueError("stage 3 shards parameters: use apply_fsdp")
         self.stage = ZeroStage(stage)
-        self.reduce_dtype = reduce_dtype
+        self._reduce_dtype = reduce_dtype  # None: the master dtype of each bucket
         self.require_sync = True
         self.comm_bytes: Counter[str] = Counter()
         # Gradients are averaged over every rank that saw different tokens (dp x cp) ...
@@ -123,7 +127,7 @@ class ZeroDataParallel:
         current: list[_ParamShard] = []
         size = 0
         for s in reversed(shards):
-            nbytes = s.param.numel() * self.reduce_dtype.itemsize
+            nbytes = s.param.numel() * s.param.element_size()
             if current and (size + nbytes > capacity or s.param.dtype != current[0].param.dtype):
                 buckets.append(self._close_bucket(current))
                 current, size = [], 0
@@ -139,6 +143,9 @@ class ZeroDataParallel:
             s.offset = offset
             offset += s.param.numel() if self.stage == ZeroStage.NONE else s.chunk
         return _Bucket(shards=shards, width=offset, members={id(s.param) for s in shards})
+
+    def _bucket_dtype(self, bucket: _Bucket) -> torch.dtype:
+        return self._reduce_dtype or master_dtype(bucket.shards[0].param.dtype)
 
     def _as_dtensor(self, local: torch.Tensor, s: _ParamShard) -> DTensor:
         return DTensor.from_local(
@@ -165,24 +172,25 @@ class ZeroDataParallel:
     def _launch(self, bucket: _Bucket) -> None:
         # Pre-divide so the sum over ranks is the mean over the data ranks.
         scale = 1.0 / self._average_size
+        dtype = self._bucket_dtype(bucket)
         if self.stage == ZeroStage.NONE:
-            flat = torch.cat([self._grad_or_zeros(s.param).reshape(-1).to(self.reduce_dtype) for s in bucket.shards])
+            flat = torch.cat([self._grad_or_zeros(s.param).reshape(-1).to(dtype) for s in bucket.shards])
             flat.mul_(scale)
             self.comm_bytes["all_reduce"] += flat.numel() * flat.element_size()
             bucket.buffer = flat
             bucket.work = dist.all_reduce(flat, group=self._average_group, async_op=True)
             return
         world = self._shard_size
-        send = torch.zeros(world, bucket.width, dtype=self.reduce_dtype, device=bucket.shards[0].param.device)
+        send = torch.zeros(world, bucket.width, dtype=dtype, device=bucket.shards[0].param.device)
         for s in bucket.shards:
             g = self._grad_or_zeros(s.param).reshape(-1)
-            padded = torch.zeros(world * s.chunk, dtype=self.reduce_dtype, device=g.device)
+            padded = torch.zeros(world * s.chunk, dtype=dtype, device=g.device)
             padded[: g.numel()] = g
             send[:, s.offset : s.offset + s.chunk] = padded.view(world, s.chunk)
             if self.stage == ZeroStage.GRADIENTS:
                 s.param.grad = None  # the whole point of stage 2
         send.mul_(scale)
-        out = torch.empty(bucket.width, dtype=self.reduce_dtype, device=send.device)
+        out = torch.empty(bucket.width, dtype=dtype, device=send.device)
         self.comm_bytes["reduce_scatter"] += send.numel() * send.element_size()
         bucket.buffer = out
         bucket.work = dist.reduce_scatter_single(out, send.view(-1), group=self._shard_group, async_op=True)
@@ -259,7 +267,8 @@ class ZeroDataParallel:
             )
         if s.master is None:
             flat = s.param.detach().view(-1)[s.start : s.start + s.length]
-            local = flat if s.param.dtype == MASTER_DTYPE else flat.to(MASTER_DTYPE)
+            wanted = master_dtype(s.param.dtype)
+            local = flat if s.param.dtype == wanted else flat.to(wanted)
             s.master = nn.Parameter(self._as_dtensor(local, s))
         return s.master
 
@@ -284,7 +293,7 @@ class ZeroDataParallel:
     def refresh_masters(self) -> None:
         """Copy parameters into separate master slices (after a checkpoint load)."""
         for s in self._shards:
-            if s.master is not None and s.param.dtype != MASTER_DTYPE:
+            if s.master is not None and s.param.dtype != s.master.dtype:
                 s.master._local_tensor.copy_(s.param.detach().view(-1)[s.start : s.start + s.length])
 
     @torch.no_grad()

@@ -1,70 +1,63 @@
-"""ZeRO-0..3 and HSDP against a single-process run of the same module (fp32)."""
+"""ZeRO-0..3 and HSDP against a single-process run of the same module.
 
-import json
+fp32 runs check what users see: every micro-batch loss within 1e-5 relative of the
+single-process run. Element-wise, fp32 parameters cannot be held that tight: Adam divides
+by sqrt(v), so wherever a gradient nearly cancels, summation-order noise (present with
+any data-parallel reduction, ZeRO-0 included) moves single elements by ~1e-5. fp64 runs
+remove most of that noise and check parameters to 1e-7: any real difference in the algorithm
+(a lost micro-batch, a wrong scale, a stale shard) is orders of magnitude larger.
+"""
 
 import pytest
 import torch
 
-from lightning_5d.testing import run_distributed
 from reference import reference_run
-
-from tests_support import SCRIPTS
+from tests_support import run_layout
 
 STEPS = 5
-RTOL = 1e-5  # per-step loss, relative
-PARAM_ATOL = 1e-5  # parameters: Adam amplifies summation-order noise where a gradient nearly cancels
+TOLERANCES = {  # precision: (loss rtol, parameter norm-relative error, parameter element atol)
+    "32-true": (1e-5, 5e-5, 1e-4),
+    "64-true": (1e-6, 1e-7, 1e-7),  # the model computes its loss in fp32, which bounds these
+}
+DTYPES = {"32-true": torch.float32, "64-true": torch.float64}
 
 
-def run_layout(tmp_path, nproc, zero, dp_replicate=1, accumulate=1, clip=None, extra=()):
-    args = ["--zero", str(zero), "--dp-replicate", str(dp_replicate), "--accumulate", str(accumulate),
-            "--steps", str(STEPS), "--out", str(tmp_path), *extra]  # fmt: skip
-    if clip is not None:
-        args += ["--clip", str(clip)]
-    run_distributed(SCRIPTS / "train_llama.py", nproc, args, timeout=240).check()
-    result = json.loads((tmp_path / "result.json").read_text())
-    return result, torch.load(tmp_path / "params.pt")
-
-
-def assert_matches_reference(result, params, data_ranks, accumulate, clip):
-    ref_losses, ref_params = reference_run(STEPS, data_ranks, accumulate, clip)
-    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=RTOL, atol=0)
+def check_layout(tmp_path, nproc, zero, dp_replicate, accumulate, clip, precision):
+    result, params = run_layout(tmp_path, nproc, zero, dp_replicate, accumulate, clip, steps=STEPS, precision=precision)
+    ref_losses, ref_params = reference_run(STEPS, nproc, accumulate, clip, DTYPES[precision])
+    loss_rtol, norm_rtol, element_atol = TOLERANCES[precision]
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=loss_rtol, atol=0)
     assert params.keys() == ref_params.keys()
     for name, value in ref_params.items():
-        torch.testing.assert_close(params[name], value, rtol=RTOL, atol=PARAM_ATOL, msg=lambda m: f"{name}: {m}")
+        error = (params[name] - value).norm() / value.norm()
+        assert error <= norm_rtol, f"{name}: relative error {error:.2e}"
+        torch.testing.assert_close(params[name], value, rtol=0, atol=element_atol, msg=lambda m: f"{name}: {m}")
 
 
-FAST = [  # (nproc, zero, dp_replicate, accumulate, clip)
-    (2, 0, 1, 2, 0.5),
-    (2, 1, 1, 2, 0.5),
-    (2, 2, 1, 2, 0.5),
-    (2, 3, 1, 2, 0.5),
+FAST = [  # (nproc, zero, dp_replicate, accumulate, clip, precision)
+    *[(2, zero, 1, 2, 0.5, "32-true") for zero in range(4)],
+    *[(2, zero, 1, 2, 0.5, "64-true") for zero in range(4)],
+    (4, 2, 2, 2, 0.5, "64-true"),  # HSDP: 2 replicas x 2 shards
 ]
 FULL = [
-    (2, 0, 1, 1, None),
-    (2, 1, 1, 1, None),
-    (2, 2, 1, 1, None),
-    (2, 3, 1, 1, None),
-    (4, 1, 1, 2, 0.5),
-    (4, 2, 1, 1, 0.5),
-    (4, 3, 1, 2, None),
-    (4, 1, 2, 2, 0.5),  # HSDP: 2 replicas x 2 shards
-    (4, 2, 2, 1, None),
-    (4, 3, 2, 2, 0.5),
+    *[(2, zero, 1, 1, None, "32-true") for zero in range(4)],
+    *[(4, zero, 1, 2, 0.5, "64-true") for zero in range(4)],
+    *[(4, zero, 2, accumulate, clip, "64-true") for zero in (1, 3) for accumulate, clip in ((1, None), (2, 0.5))],
+    (4, 2, 2, 1, None, "32-true"),
 ]
+PARAMS = "nproc,zero,dp_replicate,accumulate,clip,precision"
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("nproc,zero,dp_replicate,accumulate,clip", FAST)
-def test_zero_matches_single_process(tmp_path, nproc, zero, dp_replicate, accumulate, clip):
-    result, params = run_layout(tmp_path, nproc, zero, dp_replicate, accumulate, clip)
-    assert_matches_reference(result, params, nproc, accumulate, clip)
+@pytest.mark.parametrize(PARAMS, FAST)
+def test_zero_matches_single_process(tmp_path, nproc, zero, dp_replicate, accumulate, clip, precision):
+    check_layout(tmp_path, nproc, zero, dp_replicate, accumulate, clip, precision)
 
 
 @pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("nproc,zero,dp_replicate,accumulate,clip", FULL)
-def test_zero_matches_single_process_full(tmp_path, nproc, zero, dp_replicate, accumulate, clip):
-    result, params = run_layout(tmp_path, nproc, zero, dp_replicate, accumulate, clip)
-    assert_matches_reference(result, params, nproc, accumulate, clip)
+@pytest.mark.parametrize(PARAMS, FULL)
+def test_zero_matches_single_process_full(tmp_path, nproc, zero, dp_replicate, accumulate, clip, precision):
+    check_layout(tmp_path, nproc, zero, dp_replicate, accumulate, clip, precision)

@@ -12,9 +12,10 @@ from torch.utils.data import default_collate
 from tests_support import BATCH_SIZE, TINY, RecordingLM, make_datamodule
 
 
-def reference_run(steps: int, data_ranks: int, accumulate: int = 1, clip: float | None = None):
+def reference_run(steps: int, data_ranks: int, accumulate: int = 1, clip: float | None = None,
+                  dtype: torch.dtype = torch.float32):  # fmt: skip
     L.seed_everything(0, verbose=False)
-    model = RecordingLM(config=TINY, lr=1e-2)
+    model = RecordingLM(config=TINY).to(dtype)
     dm = make_datamodule()
     dm.setup("fit")
     dataset = dm.train_dataset

@@ -1,5 +1,8 @@
 """Shared by the multi-process scripts and the single-process references of the tests."""
 
+import json
+from pathlib import Path
+
 import torch
 
 from lightning_5d.models import LlamaConfig, LlamaLM, TextDataModule
@@ -26,4 +29,17 @@ class RecordingLM(LlamaLM):
 
 def make_datamodule() -> TextDataModule:
     return TextDataModule(seq_len=SEQ_LEN, batch_size=BATCH_SIZE, num_samples=NUM_SAMPLES, val_samples=16)
-SCRIPTS = __import__("pathlib").Path(__file__).parent
+SCRIPTS = Path(__file__).parent
+
+
+def run_layout(out: Path, nproc: int, zero: int, dp_replicate: int = 1, accumulate: int = 1, clip=None,
+               steps: int = 5, precision: str = "32-true", extra=()):  # fmt: skip
+    """Train TINY under FiveDStrategy on ``nproc`` processes; returns (result.json, final params)."""
+    from lightning_5d.testing import run_distributed
+
+    args = ["--zero", str(zero), "--dp-replicate", str(dp_replicate), "--accumulate", str(accumulate),
+            "--steps", str(steps), "--precision", precision, "--out", str(out), *extra]  # fmt: skip
+    if clip is not None:
+        args += ["--clip", str(clip)]
+    run_distributed(SCRIPTS / "train_llama.py", nproc, args, timeout=240).check()
+    return json.loads((out / "result.json").read_text()), torch.load(out / "params.pt")

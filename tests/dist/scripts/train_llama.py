@@ -40,7 +40,7 @@ class MeasureModelState(L.Callback):
 
 
 L.seed_everything(0)
-model = RecordingLM(config=TINY, lr=1e-2)
+model = RecordingLM(config=TINY)
 strategy = lightning_5d.FiveDStrategy(
     dp_replicate=args.dp_replicate, zero=args.zero, activation_checkpointing=args.ac, bucket_size_mb=0.05
 )

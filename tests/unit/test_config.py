@@ -1,0 +1,78 @@
+import pytest
+
+from lightning_5d.config import (
+    ActivationCheckpointing,
+    DimensionNotAvailableError,
+    LayoutError,
+    ParallelConfig,
+    PipelineSchedule,
+    ZeroStage,
+)
+
+
+def test_auto_dp_shard_absorbs_the_world():
+    layout = ParallelConfig().resolve(8)
+    assert (layout.dp_replicate, layout.dp_shard, layout.world_size) == (1, 8, 8)
+
+
+def test_hybrid_sharding_layout():
+    layout = ParallelConfig(dp_replicate=2).resolve(8)
+    assert (layout.dp_replicate, layout.dp_shard, layout.dp) == (2, 4, 8)
+
+
+@pytest.mark.parametrize(
+    "kwargs,world,needle",
+    [
+        (dict(dp_shard=3), 4, "product 3"),
+        (dict(dp_replicate=3), 4, "not divisible by the fixed sizes' product 3"),
+        (dict(dp_replicate=2, dp_shard=4), 4, "does not match the world size 4"),
+    ],
+)
+def test_layout_that_does_not_divide_names_the_numbers(kwargs, world, needle):
+    with pytest.raises(LayoutError, match=needle) as err:
+        ParallelConfig(**kwargs).resolve(world)
+    assert str(world) in str(err.value)
+
+
+@pytest.mark.parametrize("dim", ["tp", "cp", "pp"])
+def test_dimension_not_available_yet_is_an_error_not_a_fallback(dim):
+    with pytest.raises(DimensionNotAvailableError, match=f"{dim}=2: this dimension is not available yet"):
+        ParallelConfig(**{dim: 2}).resolve(4)
+
+
+def test_ep_must_divide_the_ranks_it_borrows():
+    with pytest.raises(LayoutError, match=r"ep=3 must divide dp_shard\*cp=4"):
+        ParallelConfig(ep=3).resolve(4)
+
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (dict(zero=4), "zero=4 is not valid"),
+        (dict(activation_checkpointing="some"), "activation_checkpointing='some' is not valid"),
+        (dict(tp=0), "tp=0 must be >= 1"),
+        (dict(tp="two"), "tp='two' must be a positive integer"),
+        (dict(rank_order=("tp", "dp_shard")), "rank_order"),
+        (dict(pipeline={"schedule": "gpipe2"}), "pipeline.schedule='gpipe2'"),
+        (dict(pipeline={"steps": 3}), r"Unknown key\(s\) \['steps'\] in `pipeline`"),
+    ],
+)
+def test_bad_values_are_rejected_with_the_valid_choices(kwargs, needle):
+    with pytest.raises(LayoutError, match=needle):
+        ParallelConfig(**kwargs)
+
+
+def test_from_mapping_coerces_strings_like_hydra_gives_them():
+    cfg = ParallelConfig.from_mapping(
+        {"zero": "3", "activation_checkpointing": "full", "pipeline": {"schedule": "interleaved_1f1b"}}
+    )
+    assert cfg.zero is ZeroStage.PARAMETERS
+    assert cfg.activation_checkpointing is ActivationCheckpointing.FULL
+    assert cfg.pipeline.schedule is PipelineSchedule.INTERLEAVED_1F1B
+    with pytest.raises(LayoutError, match=r"Unknown key\(s\) \['zer'\]"):
+        ParallelConfig.from_mapping({"zer": 1})
+
+
+def test_rank_order_is_configurable():
+    order = ("dp_replicate", "pp", "dp_shard", "tp", "cp")
+    assert ParallelConfig(rank_order=order).resolve(2).rank_order == order
