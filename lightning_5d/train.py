@@ -1,0 +1,311 @@
+"""``l5d train``: compose a recipe with Hydra, validate it, then start the workers.
+
+The job never trains in the process Hydra runs it in (unless that process already is
+one rank of a distributed job, e.g. a SLURM task): it checks the layout against the
+world size first, so a bad layout fails with the config's own message before any
+process starts, then writes the fully resolved config to ``<run dir>/resolved.yaml``
+and starts ``devices`` workers on it with ``torch.distributed.run``
+(:mod:`lightning_5d.launch`). Lightning's own launcher is not used because it
+re-executes ``sys.argv``, which would re-run the Hydra app (and a whole multirun).
+
+Configs live outside the package, next to it: ``conf/`` holds the config groups and
+the top-level ``recipes/`` directory *is* the ``recipe`` group. Hydra maps a group to
+a directory of the same name under a search-path root, so a small config source
+(scheme ``l5d-recipes://``) serves ``recipes/<name>.yaml`` as ``recipe/<name>``, and a
+search-path plugin puts it on every search path (so ``--help`` lists the recipes too). Your own recipes: put them
+in ``<dir>/recipe/<name>.yaml`` and pass ``--config-dir <dir>``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Iterable, List, Optional, Sequence
+
+from hydra.core.object_type import ObjectType
+from hydra.plugins.config_source import ConfigLoadError, ConfigResult, ConfigSource
+from hydra.plugins.search_path_plugin import SearchPathPlugin
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_5d.launch import WorkersFailed
+
+log = logging.getLogger(__name__)
+
+RECIPE_GROUP = "recipe"
+RESOLVED_NAME = "resolved.yaml"
+SUMMARY_NAME = "summary.json"
+
+
+class ConfigError(ValueError):
+    """A run config that cannot work, found before any worker starts."""
+
+
+# --------------------------------------------------------------------------- configs
+
+
+def project_root() -> Path:
+    """The directory holding ``conf/`` and ``recipes/``.
+
+    ``$L5D_HOME`` if set; else the source checkout the package was imported from;
+    else ``<prefix>/share/lightning_5d`` (where a wheel would install them).
+    """
+    candidates = []
+    if os.environ.get("L5D_HOME"):
+        candidates.append(Path(os.environ["L5D_HOME"]))
+    candidates.append(Path(__file__).resolve().parent.parent)
+    candidates.append(Path(sys.prefix) / "share" / "lightning_5d")
+    for root in candidates:
+        if (root / "conf" / "config.yaml").is_file():
+            return root
+    raise ConfigError(
+        "cannot find the l5d configs (conf/config.yaml); looked in "
+        + ", ".join(str(c) for c in candidates)
+        + ". Set L5D_HOME to the directory that holds conf/ and recipes/."
+    )
+
+
+def config_dir() -> Path:
+    return project_root() / "conf"
+
+
+class RecipeConfigSource(ConfigSource):
+    """Serves a directory of recipe files as the ``recipe`` config group.
+
+    ``l5d-recipes://recipes`` is the top-level ``recipes/`` of :func:`project_root`;
+    an absolute path (``l5d-recipes:///abs/dir``) serves another directory the same way.
+    """
+
+    @staticmethod
+    def scheme() -> str:
+        return "l5d-recipes"
+
+    def _dir(self) -> Path:
+        path = Path(self.path)
+        return path if path.is_absolute() else project_root() / path
+
+    def _file(self, config_path: str) -> Optional[Path]:
+        group, _, name = config_path.partition("/")
+        if group != RECIPE_GROUP or not name or "/" in name:
+            return None
+        return self._dir() / self._normalize_file_name(name)
+
+    def load_config(self, config_path: str) -> ConfigResult:
+        file = self._file(config_path)
+        if file is None or not file.is_file():
+            raise ConfigLoadError(f"Config not found: {config_path} (recipes in {self._dir()})")
+        text = file.read_text(encoding="utf-8")
+        return ConfigResult(
+            config=OmegaConf.create(text) if text.strip() else OmegaConf.create({}),
+            path=f"{self.scheme()}://{self._dir()}",
+            provider=self.provider,
+            header=ConfigSource._get_header_dict(text[:512]),
+        )
+
+    def available(self) -> bool:
+        return self._dir().is_dir()
+
+    def is_group(self, config_path: str) -> bool:
+        return config_path in ("", RECIPE_GROUP) and self.available()
+
+    def is_config(self, config_path: str) -> bool:
+        file = self._file(config_path)
+        return file is not None and file.is_file()
+
+    def list(self, config_path: str, results_filter: Optional[ObjectType]) -> List[str]:
+        if not self.available():
+            return []
+        if config_path == "":
+            return [RECIPE_GROUP] if results_filter in (None, ObjectType.GROUP) else []
+        if config_path != RECIPE_GROUP or results_filter == ObjectType.GROUP:
+            return []
+        return sorted(p.stem for p in self._dir().glob("*.yaml") if p.is_file())
+
+
+class RecipeSearchPath(SearchPathPlugin):
+    """Puts the top-level ``recipes/`` on every search path: ``l5d train``, :func:`compose`, ``--help``."""
+
+    def manipulate_search_path(self, search_path) -> None:
+        search_path.append(provider="l5d-recipes", path=f"{RecipeConfigSource.scheme()}://recipes")
+
+
+def register_recipe_source() -> None:
+    """Register the recipe group's config source and search path with Hydra (idempotent)."""
+    from hydra.core.plugins import Plugins
+
+    plugins = Plugins.instance()
+    plugins.register(RecipeConfigSource)
+    if RecipeSearchPath not in plugins.discover(SearchPathPlugin):
+        plugins.register(RecipeSearchPath)
+
+
+def compose(overrides: Iterable[str] = (), return_hydra_config: bool = False) -> DictConfig:
+    """The job config ``l5d train <overrides>`` would run, without running it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_recipe_source()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3", job_name="train"):
+        return hydra_compose("config", overrides=list(overrides), return_hydra_config=return_hydra_config)
+
+
+def _positive_int(cfg: DictConfig, key: str) -> int:
+    value = cfg.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{key}={value!r} must be a positive integer.")
+    return value
+
+
+def validate(cfg: DictConfig):
+    """Resolve the parallel layout against ``devices * num_nodes``; raise on any problem.
+
+    Runs in the Hydra job before anything is launched. Returns the
+    :class:`~lightning_5d.config.Layout`.
+    """
+    from lightning_5d.config import ParallelConfig
+
+    devices = _positive_int(cfg, "devices")
+    num_nodes = _positive_int(cfg, "num_nodes")
+    parallel = ParallelConfig.from_mapping(OmegaConf.to_container(cfg.parallel, resolve=True))
+    layout = parallel.resolve(devices * num_nodes)
+    if "model" in cfg:
+        from lightning_5d.models import LlamaConfig
+
+        try:
+            LlamaConfig(**OmegaConf.to_container(cfg.model, resolve=True))
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"model: {err}") from None
+    mode = cfg.launcher.mode
+    if mode not in ("auto", "torchrun", "inprocess"):
+        raise ConfigError(f"launcher.mode={mode!r} must be one of 'auto', 'torchrun', 'inprocess'.")
+    return layout
+
+
+# --------------------------------------------------------------------------- the job
+
+
+def job_config(cfg: DictConfig, layout: Any) -> dict:
+    """The resolved job config as plain containers, plus an ``l5d`` section saying where it came from."""
+    from hydra.core.hydra_config import HydraConfig
+
+    job = OmegaConf.to_container(cfg, resolve=True)
+    meta: dict[str, Any] = {"layout": layout.describe()}
+    if HydraConfig.initialized():
+        hc = HydraConfig.get()
+        meta["choices"] = {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra/")}
+        meta["overrides"] = list(hc.overrides.task)
+    job["l5d"] = meta
+    return job
+
+
+def write_resolved(job: dict, run_dir: Path) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / RESOLVED_NAME
+    header = "# Written by `l5d train`; the workers (python -m lightning_5d.worker <this file>) read it.\n"
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text(header + OmegaConf.to_yaml(OmegaConf.create(job)), encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def launch_mode(cfg: DictConfig) -> str:
+    """``"inprocess"`` or ``"torchrun"`` for this job; raises :class:`ConfigError` if neither fits."""
+    from lightning_5d import launch
+
+    env = launch.distributed_env()
+    mode = cfg.launcher.mode
+    if mode == "auto":
+        mode = "inprocess" if env is not None else "torchrun"
+    world = cfg.devices * cfg.num_nodes
+    if mode == "inprocess":
+        env_world = launch.env_world_size()
+        if env_world != world:
+            raise ConfigError(
+                f"this process is one of {env_world} ranks ({env or 'no distributed environment'}), "
+                f"but devices * num_nodes = {cfg.devices} * {cfg.num_nodes} = {world}; "
+                f"set them so that the product is {env_world}."
+            )
+    elif cfg.num_nodes != 1:
+        raise ConfigError(
+            f"num_nodes={cfg.num_nodes}: `l5d train` starts workers on this node only. Use "
+            "`-m hydra/launcher=slurm`, or start `l5d train` on every node under srun/torchrun "
+            "(launcher.mode=auto then runs each rank in-process)."
+        )
+    return mode
+
+
+def run_job(cfg: DictConfig) -> Optional[dict]:
+    """The Hydra task: validate, write ``resolved.yaml``, run the workers, return the summary."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from lightning_5d import launch
+    from lightning_5d.config import LayoutError
+
+    try:
+        layout = validate(cfg)
+        mode = launch_mode(cfg)
+    except (LayoutError, ConfigError) as err:
+        if HydraConfig.get().mode == RunMode.RUN:
+            # One job: the message alone, exit code 2, nothing started. In a sweep the
+            # exception fails only this job; Hydra runs the rest and exits 1 at the end.
+            print(f"l5d train: invalid config: {err}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+        log.error("invalid config: %s", err)
+        raise
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    log.info("layout %s; %s; output in %s", layout.describe(), mode, run_dir)
+    job = job_config(cfg, layout)
+
+    if mode == "inprocess":
+        if launch.env_rank() == 0:
+            write_resolved(job, run_dir)
+        from lightning_5d.worker import run
+
+        return run(job, run_dir)
+
+    resolved = write_resolved(job, run_dir)
+    rc = launch.torchrun(
+        resolved,
+        nproc=cfg.devices,
+        timeout_s=cfg.launcher.timeout_s,
+        master_port=cfg.launcher.master_port,
+        log_file=run_dir / "workers.log",
+    )
+    if rc != 0:
+        raise WorkersFailed(f"workers exited with code {rc}; their output is in {run_dir / 'workers.log'}")
+    summary = run_dir / SUMMARY_NAME
+    if not summary.is_file():
+        raise WorkersFailed(f"workers finished but wrote no {summary}")
+    return json.loads(summary.read_text())
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the Hydra app on ``argv`` (Hydra overrides and flags, e.g. ``-m``, ``--cfg job``)."""
+    import hydra
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        conf = config_dir()
+    except ConfigError as err:
+        print(f"l5d train: {err}", file=sys.stderr)
+        return 2
+    register_recipe_source()
+    app = hydra.main(version_base="1.3", config_path=str(conf), config_name="config")(run_job)
+    saved = sys.argv
+    # Hydra parses sys.argv; argv[0] only names the program in its usage text.
+    sys.argv = ["l5d train", *argv]
+    try:
+        app()
+    except SystemExit as exit_:
+        code = exit_.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    finally:
+        sys.argv = saved
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
