@@ -1,0 +1,357 @@
+"""Find the best layout for a cluster: the playbook's "how to find the best training configuration", executable.
+
+1. Enumerate layouts the model allows (heads % tp, kv heads vs tp, layers % pp*v, experts % ep,
+   seq % 2cp), tp kept inside a node, every global-batch split into dp x micro-batch x microbatches.
+2. For each, take the cheapest activation recomputation that fits in memory (none, then
+   selective, then full) - recomputation only ever costs time.
+3. Rank what fits by predicted time per token (= step time for a fixed global batch); on ties,
+   simpler layouts first (fewer model-parallel dims, lower ZeRO stage), then less memory; say why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from itertools import product
+from typing import Any
+
+from lightning_5d.config import ActivationCheckpointing, LayoutError, PipelineSchedule, ZeroStage
+
+from .comm import Link, group_link
+from .estimator import Estimate, estimate
+from .spec import ModelSpec, load_spec
+from .timing import GIB, Cluster, StepTime, predict_step_time
+from .training import Precision, TrainingSetup, valid_cp, valid_pp, valid_tp
+
+ALL_DIMS = frozenset({"dp_replicate", "dp_shard", "tp", "cp", "pp", "ep"})
+LAYOUT_KEYS = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
+# Cheapest in time first: plan() keeps the first mode that fits.
+_AC = ActivationCheckpointing
+RECOMPUTE_ORDER = (_AC.NONE, _AC.SELECTIVE, _AC.FULL)
+
+
+class NoLayoutFitsError(LayoutError):
+    """Every candidate layout needs more memory than the GPUs have."""
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    rank: int
+    estimate: Estimate
+    time: StepTime
+    fits: bool
+    why: str
+
+    @property
+    def setup(self) -> TrainingSetup:
+        return self.estimate.setup
+
+    def layout(self) -> dict[str, int]:
+        """Sizes + ZeRO stage, the keyword arguments FiveDStrategy takes."""
+        return {**{k: getattr(self.setup, k) for k in LAYOUT_KEYS}, "zero": int(self.setup.zero)}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "layout": self.setup.describe(),
+            **self.estimate.to_dict(),
+            "step_time_s": self.time.total,
+            "time_breakdown_s": self.time.as_dict(),
+            "tokens_per_second": self.estimate.flops.tokens_per_step / self.time.total,
+            "predicted_mfu": self.time.predicted_mfu,
+            "fits": self.fits,
+            "why": self.why,
+        }
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _normalize_dims(available_dims: Iterable[str] | None) -> frozenset[str]:
+    if available_dims is None:
+        return ALL_DIMS
+    dims = set(available_dims)
+    if "dp" in dims:
+        dims |= {"dp_replicate", "dp_shard"}
+        dims.discard("dp")
+    unknown = dims - ALL_DIMS
+    if unknown:
+        raise LayoutError(f"unknown dimension(s) {sorted(unknown)}; choose from {sorted(ALL_DIMS | {'dp'})}.")
+    if not dims & {"dp_replicate", "dp_shard"}:
+        dims.add("dp_shard")  # data parallelism is always there to absorb the remaining ranks
+    return frozenset(dims)
+
+
+def _data_splits(
+    dp: int, cp: int, inner: int, dims: frozenset[str], stages: list[ZeroStage], gpus_per_node: int
+) -> Iterator[tuple[int, int, ZeroStage]]:
+    """(dp_replicate, dp_shard, zero) candidates for dp data ranks of ``inner`` = tp*cp GPUs each.
+
+    Plain replication (zero 0) goes to dp_replicate when available; sharding (zero >= 1) to
+    dp_shard, and also as HSDP: sharded within a node, replicated across nodes. ZeRO shards over
+    dp_shard*cp, so with dp = 1 it can still shard over the cp ranks.
+    """
+    if dp * cp == 1:
+        yield 1, 1, ZeroStage.NONE  # no data-parallel peers: nothing to shard or reduce
+        return
+    for zero in stages:
+        if zero == ZeroStage.NONE:
+            yield (dp, 1, zero) if "dp_replicate" in dims else (1, dp, zero)
+        elif dp == 1 or "dp_shard" in dims:
+            yield 1, dp, zero
+    per_node = max(gpus_per_node // inner, 1)
+    if {"dp_replicate", "dp_shard"} <= dims and 1 < per_node < dp and dp % per_node == 0:
+        for zero in (z for z in stages if z > ZeroStage.NONE):
+            yield dp // per_node, per_node, zero
+
+
+def _model_parallel_shapes(
+    spec: ModelSpec, gpus: int, seq_len: int, dims: frozenset[str], max_tp: int
+) -> Iterator[tuple[int, int, int]]:
+    """(tp, cp, pp) whose product divides ``gpus`` and that the model allows."""
+    tps = [t for t in valid_tp(spec) if gpus % t == 0 and t <= max_tp] if "tp" in dims else [1]
+    cps = [c for c in valid_cp(seq_len, limit=gpus) if gpus % c == 0] if "cp" in dims else [1]
+    pps = valid_pp(spec) if "pp" in dims else [1]
+    for tp, cp, pp in product(tps, cps, pps):
+        if gpus % (tp * cp * pp) == 0:
+            yield tp, cp, pp
+
+
+def _schedules(spec: ModelSpec, pp: int) -> list[tuple[PipelineSchedule, int]]:
+    """1F1B, and interleaved 1F1B with v=2 where the layers split that finely."""
+    out = [(PipelineSchedule.ONE_F_ONE_B, 1)]
+    if pp > 1 and spec.num_layers % (pp * 2) == 0:
+        out.append((PipelineSchedule.INTERLEAVED_1F1B, 2))
+    return out
+
+
+def enumerate_setups(
+    spec: ModelSpec,
+    gpus: int,
+    *,
+    seq_len: int,
+    global_batch: int | None = None,
+    micro_batch_sizes: Iterable[int] = (1, 2, 4),
+    available_dims: Iterable[str] | None = None,
+    zero_stages: Iterable[int] = (0, 1, 2, 3),
+    gpus_per_node: int = 8,
+    allow_cross_node_tp: bool = False,
+    precision: Precision | str = Precision.BF16,
+    fp32_grad_accumulation: bool = False,
+    recompute: ActivationCheckpointing | str = ActivationCheckpointing.NONE,
+) -> Iterator[TrainingSetup]:
+    """Every buildable layout of ``gpus`` ranks (with ``recompute`` as given; plan() varies it)."""
+    dims = _normalize_dims(available_dims)
+    stages = sorted({ZeroStage(z) for z in zero_stages})
+    # tp's per-layer collectives sit on the critical path: keep them on NVLink unless told otherwise.
+    max_tp = gpus if allow_cross_node_tp else gpus_per_node
+    experts = spec.num_experts if spec.is_moe and "ep" in dims else 1
+    fixed = dict(
+        seq_len=seq_len,
+        precision=precision,
+        fp32_grad_accumulation=fp32_grad_accumulation,
+        recompute=recompute,
+    )
+    for tp, cp, pp in _model_parallel_shapes(spec, gpus, seq_len, dims, max_tp):
+        dp = gpus // (tp * cp * pp)
+        splits = _data_splits(dp, cp, tp * cp, dims, stages, gpus_per_node)
+        for (dp_rep, dp_shard, zero), (schedule, v), mbs in product(
+            list(splits), _schedules(spec, pp), micro_batch_sizes
+        ):
+            batch = _batch_split(global_batch, dp, mbs, pp, schedule)
+            if batch is None:
+                continue
+            m, ga = batch
+            for ep in (e for e in _divisors(experts) if (dp_shard * cp) % e == 0):
+                yield TrainingSetup(
+                    dp_replicate=dp_rep, dp_shard=dp_shard, tp=tp, cp=cp, pp=pp, ep=ep, zero=zero,
+                    schedule=schedule, virtual_stages=v, microbatches=m, micro_batch_size=mbs,
+                    grad_accum=ga, **fixed,
+                )  # fmt: skip
+
+
+def _batch_split(
+    global_batch: int | None, dp: int, mbs: int, pp: int, schedule: PipelineSchedule
+) -> tuple[int, int] | None:
+    """(microbatches per pipeline run m, grad_accum) giving ``global_batch``, or None if it does not divide.
+
+    With pp every microbatch goes through one pipeline run (largest m, smallest bubble);
+    without pp they become gradient-accumulation steps. No global batch: pp's default m = 2p.
+    """
+    if global_batch is None:
+        return (2 * pp, 1) if pp > 1 else (1, 1)
+    if global_batch % (dp * mbs):
+        return None
+    micro = global_batch // (dp * mbs)
+    if pp == 1:
+        return 1, micro
+    if schedule == PipelineSchedule.INTERLEAVED_1F1B and micro % pp:
+        return None
+    return micro, 1
+
+
+def _complexity(setup: TrainingSetup) -> tuple:
+    """Tie-break: fewer model-parallel dims, lower ZeRO stage, less recompute, then fewer model-parallel ranks."""
+    dims = sum(getattr(setup, d) > 1 for d in ("tp", "cp", "pp", "ep"))
+    return (dims, int(setup.zero), RECOMPUTE_ORDER.index(setup.recompute), setup.tp * setup.cp * setup.pp)
+
+
+def _explain(est: Estimate, time: StepTime, cluster: Cluster, fits: bool) -> str:
+    s, mem = est.setup, est.memory
+    gpn = cluster.gpus_per_node
+    parts: list[str] = []
+    if s.tp > 1:
+        where = "inside a node" if group_link(s, ("tp",), gpn) == Link.INTRA else "ACROSS nodes"
+        parts.append(
+            f"tp={s.tp} {where}{' with SP' if s.sp else ''} splits weights and activations {s.tp} ways"
+        )
+    if s.pp > 1:
+        parts.append(
+            f"pp={s.pp} {s.schedule.value} m={s.m}: bubble {100 * est.bubble_fraction:.1f}% of the step"
+        )
+    if s.cp > 1:
+        parts.append(f"cp={s.cp} splits the {s.seq_len}-token sequence")
+    if s.ep > 1:
+        parts.append(f"ep={s.ep} spreads {est.spec.num_experts} experts")
+    if s.zero > ZeroStage.NONE:
+        what = {1: "optimizer states", 2: "grads + optimizer", 3: "params + grads + optimizer"}[int(s.zero)]
+        hsdp = f", replicated x{s.dp_replicate} (HSDP)" if s.dp_replicate > 1 else ""
+        parts.append(f"ZeRO-{int(s.zero)} shards {what} over {s.zero_group} ranks{hsdp}")
+    elif s.dp > 1:
+        parts.append(f"plain DP over {s.dp} replicas")
+    if s.recompute != ActivationCheckpointing.NONE:
+        parts.append(f"{s.recompute.value} recompute needed to fit")
+    usable = cluster.usable_memory_bytes / GIB
+    parts.append(f"{'fits' if fits else 'does NOT fit'}: {mem.total / GIB:.1f} of {usable:.1f} GiB usable")
+    exposed = {d: t for d, t in time.exposed.items() if t > 0.005 * time.total}
+    if exposed:
+        parts.append("exposed comm " + ", ".join(f"{d} {t * 1e3:.0f} ms" for d, t in exposed.items()))
+    elif time.link_busy >= time.total:
+        parts.append("bandwidth-bound: the busiest link sets the step time")
+    elif est.comm:
+        parts.append("communication hidden behind compute")
+    parts.append(f"predicted MFU {100 * time.predicted_mfu:.0f}%")
+    return "; ".join(parts)
+
+
+def plan(
+    model: Any,
+    cluster: Cluster | None = None,
+    *,
+    seq_len: int = 4096,
+    global_batch: int | None = None,
+    micro_batch_sizes: Iterable[int] = (1, 2, 4),
+    available_dims: Iterable[str] | None = None,
+    zero_stages: Iterable[int] = (0, 1, 2, 3),
+    recompute_modes: Iterable[ActivationCheckpointing | str] = RECOMPUTE_ORDER,
+    precision: Precision | str = Precision.BF16,
+    fp32_grad_accumulation: bool = False,
+    allow_cross_node_tp: bool = False,
+    top: int | None = None,
+    include_unfit: bool = False,
+) -> list[PlanEntry]:
+    """Ranked layouts for ``cluster`` (fastest first). ``global_batch`` is in sequences.
+
+    Raises ``NoLayoutFitsError`` (naming the smallest layout found) when nothing fits,
+    unless ``include_unfit`` asks for the ranked unfit layouts instead.
+    """
+    spec = load_spec(model)
+    cluster = cluster or Cluster()
+    modes = [ActivationCheckpointing(m) for m in recompute_modes]
+    fitting: list[tuple[Estimate, StepTime]] = []
+    unfit: list[tuple[Estimate, StepTime]] = []
+    for base in enumerate_setups(
+        spec,
+        cluster.gpus,
+        seq_len=seq_len,
+        global_batch=global_batch,
+        micro_batch_sizes=micro_batch_sizes,
+        available_dims=available_dims,
+        zero_stages=zero_stages,
+        gpus_per_node=cluster.gpus_per_node,
+        allow_cross_node_tp=allow_cross_node_tp,
+        precision=precision,
+        fp32_grad_accumulation=fp32_grad_accumulation,
+    ):
+        smallest = None
+        for mode in modes:
+            est = estimate(spec, base.replace(recompute=mode), gpus_per_node=cluster.gpus_per_node)
+            if est.memory.total <= cluster.usable_memory_bytes:
+                fitting.append((est, predict_step_time(est, cluster)))
+                break
+            if smallest is None or est.memory.total < smallest.memory.total:
+                smallest = est
+        else:
+            if smallest is not None:
+                unfit.append((smallest, predict_step_time(smallest, cluster)))
+    if not fitting and not include_unfit:
+        if not unfit:
+            raise NoLayoutFitsError(
+                f"no buildable layout of {cluster.gpus} GPUs for {spec.name} (global batch {global_batch}, "
+                f"seq {seq_len}); check that the global batch divides by the data-parallel sizes."
+            )
+        best = min(unfit, key=lambda pair: pair[0].memory.total)[0]
+        raise NoLayoutFitsError(
+            f"no layout of {spec.name} fits in {cluster.gpu_memory_gib} GiB per GPU on {cluster.gpus} GPUs; "
+            f"the smallest ({best.setup.describe()}) needs {best.memory.total / GIB:.1f} GiB "
+            f"(usable {cluster.usable_memory_bytes / GIB:.1f}). Use more GPUs, a shorter sequence, or enable "
+            f"more dimensions (available: {sorted(_normalize_dims(available_dims))})."
+        )
+
+    def rank_key(pair: tuple[Estimate, StepTime]) -> tuple:
+        est, time = pair
+        return (time.total / est.flops.tokens_per_step, _complexity(est.setup), est.memory.total)
+
+    ranked = sorted(fitting, key=rank_key)
+    rows = [(est, time, True) for est, time in ranked]
+    if include_unfit:
+        rows += [(est, time, False) for est, time in sorted(unfit, key=lambda pair: pair[0].memory.total)]
+    if top is not None:
+        rows = rows[:top]
+    return [
+        PlanEntry(rank=i + 1, estimate=est, time=time, fits=fits, why=_explain(est, time, cluster, fits))
+        for i, (est, time, fits) in enumerate(rows)
+    ]
+
+
+def choose_layout(
+    model: Any,
+    world_size: int,
+    *,
+    available_dims: Iterable[str],
+    seq_len: int | None = None,
+    micro_batch_size: int = 1,
+    global_batch: int | None = None,
+    gpu_memory_gib: float = 80.0,
+    gpus_per_node: int = 8,
+    recompute: ActivationCheckpointing | str = ActivationCheckpointing.NONE,
+    precision: Precision | str = Precision.BF16,
+    **cluster_fields: Any,
+) -> dict[str, int]:
+    """Sizes + ZeRO stage for ``strategy="5d"`` with no sizes given.
+
+    Only ``available_dims`` (e.g. ``lightning_5d.config.IMPLEMENTED_DIMS``) may be > 1, and the
+    activation recomputation is the one the caller will actually run. Returns
+    ``{"dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "zero"}``; raises
+    ``NoLayoutFitsError`` when nothing fits.
+    """
+    spec = load_spec(model)
+    cluster = Cluster(
+        gpus=world_size,
+        gpu_memory_gib=gpu_memory_gib,
+        gpus_per_node=min(gpus_per_node, world_size),
+        **cluster_fields,
+    )
+    entries = plan(
+        spec,
+        cluster,
+        seq_len=seq_len or spec.max_seq_len,
+        global_batch=global_batch,
+        micro_batch_sizes=(micro_batch_size,),
+        available_dims=available_dims,
+        recompute_modes=(recompute,),
+        precision=precision,
+        top=1,
+    )
+    return entries[0].layout()

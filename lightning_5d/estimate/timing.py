@@ -1,0 +1,116 @@
+"""Predicted step time: compute at an assumed efficiency + pipeline bubble + communication left exposed.
+
+Which communication can hide behind compute, and behind which part of it:
+
+* DP/ZeRO: Z0 reduces once, during the last microbatch's backward (2/3 of its compute);
+  Z1 also all-gathers params after the step, overlappable with the next step's first forward
+  (so the window is one microbatch's compute); Z2/Z3 spread their traffic over every
+  microbatch, so the whole compute can hide it.
+* CP: ring hops overlap the attention-core compute of the block they feed.
+* TP/SP, PP, EP: on the critical path (the next op needs the result) - fully exposed.
+
+Each collective launch also pays a fixed latency (alpha), which is what makes ZeRO-3's
+per-layer gathers and deep TP visible on small models. Overlap cannot beat bandwidth: the
+step is never shorter than the time the busiest link (intra- or inter-node) needs to carry
+all its traffic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_5d.config import ZeroStage
+
+from .comm import DIMENSIONS, Link
+from .estimator import Estimate
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Hardware the plan targets. Defaults: an H100 SXM node (8 GPUs, NVLink, 400 Gb/s IB per GPU)."""
+
+    gpus: int = 8
+    gpu_memory_gib: float = 80.0
+    gpus_per_node: int = 8
+    intra_node_bandwidth: float = 450e9  # bytes/s per GPU, one direction (NVLink 4)
+    inter_node_bandwidth: float = 50e9  # bytes/s per GPU (400 Gb/s InfiniBand)
+    peak_flops: float = 989e12  # dense bf16 per GPU
+    compute_efficiency: float = 0.5  # achieved/peak for the model's matmuls; sets the predicted MFU ceiling
+    memory_headroom: float = 0.1  # fraction kept free for the CUDA context, NCCL buffers, fragmentation
+    latency_intra: float = 5e-6  # s per collective launch
+    latency_inter: float = 20e-6
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        return self.gpu_memory_gib * GIB * (1 - self.memory_headroom)
+
+    def bandwidth(self, link: Link) -> float:
+        return self.intra_node_bandwidth if link == Link.INTRA else self.inter_node_bandwidth
+
+    def latency(self, link: Link) -> float:
+        return self.latency_intra if link == Link.INTRA else self.latency_inter
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute: float  # seconds of (hardware) FLOPs at the assumed efficiency, bubble-free
+    bubble: float
+    comm: dict[str, float]  # seconds of traffic per dimension
+    exposed: dict[str, float]  # the part of it that compute does not hide
+    link_busy: float  # seconds the busiest link needs for all its traffic: a floor on the step
+    model_flops_per_step: float
+    gpus: int
+    peak_flops: float
+
+    @property
+    def total(self) -> float:
+        return max(self.compute + self.bubble + sum(self.exposed.values()), self.link_busy)
+
+    @property
+    def predicted_mfu(self) -> float:
+        return self.model_flops_per_step / (self.total * self.gpus * self.peak_flops)
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "total": self.total,
+            "compute": self.compute,
+            "bubble": self.bubble,
+            "exposed_comm": sum(self.exposed.values()),
+            "link_busy": self.link_busy,
+            **{f"exposed_{d}": self.exposed[d] for d in DIMENSIONS},
+        }
+
+
+def predict_step_time(est: Estimate, cluster: Cluster) -> StepTime:
+    setup = est.setup
+    gpus = setup.world_size
+    compute = est.flops.hardware_per_step / gpus / (cluster.peak_flops * cluster.compute_efficiency)
+    comm = {d: 0.0 for d in DIMENSIONS}
+    busy = {link: 0.0 for link in Link}
+    for entry in est.comm:
+        link = entry.link
+        seconds = entry.bytes_per_rank / cluster.bandwidth(link) + entry.launches * cluster.latency(link)
+        comm[entry.dim] += seconds
+        busy[entry.link] += seconds
+    M = setup.microbatches_per_step
+    if setup.zero == ZeroStage.NONE:
+        dp_window = compute / M * 2 / 3
+    elif setup.zero == ZeroStage.OPTIMIZER:
+        dp_window = compute / M
+    else:
+        dp_window = compute
+    attention_share = est.flops.attention_per_token / est.flops.hardware_per_token
+    windows = {"dp": dp_window, "cp": compute * attention_share, "tp": 0.0, "pp": 0.0, "ep": 0.0}
+    exposed = {d: max(0.0, comm[d] - windows[d]) for d in DIMENSIONS}
+    return StepTime(
+        compute=compute,
+        bubble=compute * est.bubble_relative,
+        comm=comm,
+        exposed=exposed,
+        link_busy=max(busy.values()),
+        model_flops_per_step=est.flops.model_per_step,
+        gpus=gpus,
+        peak_flops=cluster.peak_flops,
+    )
