@@ -73,3 +73,32 @@ def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimi
                 if isinstance(value, torch.Tensor) and local_tensor(value).dim() > 0:
                     optimizer += seen.add(value)
     return ModelStateBytes(params=params, grads=grads, optimizer=optimizer)
+
+
+class SavedActivationMeter:
+    """Bytes autograd keeps for backward while the block runs (parameters excluded).
+
+    Counts each storage once, so views and tensors saved by several ops are not double
+    counted. Under activation checkpointing it sees only what the checkpoint keeps.
+    """
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._seen: set[int] = set()
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        base = t._base if t._base is not None else t  # linear saves weight.t(), a view
+        if not (base.is_leaf and base.requires_grad):  # parameters are model state, not activations
+            storage = local_tensor(t).untyped_storage()
+            if storage.data_ptr() not in self._seen:
+                self._seen.add(storage.data_ptr())
+                self.bytes += storage.nbytes()
+        return t
+
+    def __enter__(self) -> "SavedActivationMeter":
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._ctx.__exit__(*exc)

@@ -149,6 +149,9 @@ class FiveDStrategy(ParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
+        # The Trainer knows devices x nodes here, before any process is launched: a layout
+        # that cannot work fails at `Trainer(...)`, not minutes later on every rank.
+        self._layout = self.config.resolve(self.num_nodes * self.num_processes)
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)

@@ -21,7 +21,7 @@ from lightning_5d.config import ActivationCheckpointing, ZeroStage
 
 from .params import ParamCounts, RankParams, Stage, count_params, kv_heads_per_rank, rank_params
 from .schedule import in_flight_layer_microbatches, last_stage_in_flight
-from .spec import MlpKind, ModelSpec
+from .spec import MlpKind, ModelSpec, NormKind
 from .training import AttentionKernel, Precision, TrainingSetup
 
 GIB = 2**30
@@ -111,6 +111,16 @@ class LayerActivations:
         return self.stored(ActivationCheckpointing.NONE) - self.stored(recompute)
 
 
+def norm_extra(spec: ModelSpec, tensor_bytes: float) -> float:
+    """Bytes a norm keeps beyond its input.
+
+    KOR's LayerNorm is one fused kernel that keeps only its input. An RMSNorm written in
+    PyTorch ops (Hugging Face Llama's, the reference model's) also keeps the normalized
+    tensor for the weight's gradient: one more tensor of the input's size.
+    """
+    return tensor_bytes if spec.norm == NormKind.RMSNORM else 0.0
+
+
 def layer_activations(spec: ModelSpec, setup: TrainingSetup) -> LayerActivations:
     """KOR's per-layer terms on one rank: s = seq/cp local tokens, b micro-batch, e bytes per element."""
     e = ACTIVATION_BYTES[setup.precision]
@@ -119,6 +129,7 @@ def layer_activations(spec: ModelSpec, setup: TrainingSetup) -> LayerActivations
     rep = t if setup.sp else 1
     # Two norm inputs, the attention input and the MLP input (KOR: 4sbh + 2sbh + 2sbh).
     replicated = 4 * e * sb * h
+    replicated += 2 * norm_extra(spec, e * sb * h)
     if spec.dropout:
         replicated += 2 * sb * h  # one-byte masks after attention and after the MLP (KOR: 2sbh)
     kv = 2 * e * sb * spec.d_head * kv_heads_per_rank(spec, t)  # K and V (replicated heads when t > g)
@@ -149,7 +160,8 @@ def head_activations(spec: ModelSpec, setup: TrainingSetup) -> float:
     e = ACTIVATION_BYTES[setup.precision]
     sb = setup.seq_len / setup.cp * setup.micro_batch_size
     rep = setup.tp if setup.sp else 1
-    return 2 * e * sb * spec.hidden_size / rep + 4 * sb * spec.vocab_size / setup.tp
+    norm = 2 * e * sb * spec.hidden_size + norm_extra(spec, e * sb * spec.hidden_size)
+    return norm / rep + 4 * sb * spec.vocab_size / setup.tp
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import lightning_5d
-from lightning_5d.accounting import model_state_bytes
+from lightning_5d.accounting import SavedActivationMeter, model_state_bytes
 from lightning_5d.checkpoint import full_model_state
 from tests_support import TINY, RecordingLM, make_datamodule
 
@@ -33,6 +33,17 @@ args = parser.parse_args()
 class MeasureModelState(L.Callback):
     def __init__(self):
         self.bytes = None
+        self.activations = None
+        self._meter = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 0:  # the first micro-batch's forward
+            self._meter = SavedActivationMeter().__enter__()
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        if self._meter is not None:
+            self._meter.__exit__(None, None, None)
+            self.activations, self._meter = self._meter.bytes, None
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if trainer.global_step == 1 and self.bytes is None:  # optimizer states exist after step 1
@@ -67,7 +78,7 @@ dist.all_reduce(losses, group=strategy.mesh.group("dp"))
 losses /= strategy.mesh.data_size
 state = full_model_state(model, sharded=args.zero == 3)
 per_rank = [None] * dist.get_world_size()
-dist.all_gather_object(per_rank, measure.bytes)
+dist.all_gather_object(per_rank, {**measure.bytes, "activations": measure.activations})
 comm = [None] * dist.get_world_size()
 dist.all_gather_object(comm, strategy.comm_bytes)
 if dist.get_rank() == 0:
