@@ -29,7 +29,8 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_5d import checkpoint as ckpt
-from lightning_5d.config import AUTO, ActivationCheckpointing, Layout, ParallelConfig, ZeroStage, validate_early
+from lightning_5d.auto_layout import planned_config
+from lightning_5d.config import ActivationCheckpointing, Layout, ParallelConfig, ZeroStage, validate_early
 from lightning_5d.mesh import ParallelMesh
 from lightning_5d.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_5d.parallel.data import ZeroDataParallel, broadcast_module
@@ -41,20 +42,22 @@ class FiveDStrategy(ParallelStrategy):
     """Data (ZeRO-0..3, HSDP), tensor, context, pipeline and expert parallelism on one mesh.
 
     Sizes are keyword arguments (``dp_replicate``, ``dp_shard``, ``cp``, ``tp``, ``pp``, ``ep``);
-    ``dp_shard="auto"`` absorbs whatever the other sizes leave of the world.
+    ``dp_shard="auto"`` (the default) absorbs whatever the other sizes leave of the world.
+    With no size and no ``zero`` given, the planner picks the layout for the model and world
+    at setup (``lightning_5d.estimate.choose_layout``).
     """
 
     strategy_name = "5d"
 
     def __init__(
         self,
-        dp_replicate: int | str = 1,
-        dp_shard: int | str = AUTO,
-        cp: int | str = 1,
-        tp: int | str = 1,
-        pp: int | str = 1,
-        ep: int | str = 1,
-        zero: int | ZeroStage = ZeroStage.OPTIMIZER,
+        dp_replicate: int | str | None = None,
+        dp_shard: int | str | None = None,
+        cp: int | str | None = None,
+        tp: int | str | None = None,
+        pp: int | str | None = None,
+        ep: int | str | None = None,
+        zero: int | ZeroStage | None = None,
         activation_checkpointing: str | ActivationCheckpointing = ActivationCheckpointing.NONE,
         rank_order: tuple[str, ...] | None = None,
         bucket_size_mb: float = 25.0,
@@ -68,16 +71,14 @@ class FiveDStrategy(ParallelStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp, "pp": pp, "ep": ep}
+        given = {k: v for k, v in {**sizes, "zero": zero}.items() if v is not None}
+        # No size and no ZeRO stage given (as with the string "5d"): the planner decides at setup.
+        self._plan_layout = config is None and not given
         if config is None:
             sections = {k: v for k, v in (("pipeline", pipeline), ("context", context), ("expert", expert)) if v}
             config = ParallelConfig(
-                dp_replicate=dp_replicate,
-                dp_shard=dp_shard,
-                cp=cp,
-                tp=tp,
-                pp=pp,
-                ep=ep,
-                zero=zero,
+                **given,
                 activation_checkpointing=activation_checkpointing,
                 bucket_size_mb=bucket_size_mb,
                 **({"rank_order": rank_order} if rank_order is not None else {}),
@@ -159,8 +160,18 @@ class FiveDStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ lifecycle
     @override
     def setup_environment(self) -> None:
+        world_size = self.num_nodes * self.num_processes
+        if self._plan_layout:
+            self.config = planned_config(
+                self.config,
+                self.lightning_module,
+                world_size,
+                precision=self.precision_plugin.precision,
+                device=self.root_device,
+                local_processes=self.num_processes,
+            )
         # Validate before any process group exists, so a bad layout costs nothing.
-        self._layout = self.config.resolve(self.num_nodes * self.num_processes)
+        self._layout = self.config.resolve(world_size)
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()

@@ -11,12 +11,19 @@ def trainer(strategy, devices):
     return L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, logger=False, enable_progress_bar=False)
 
 
-def test_5d_is_registered_and_defaults_to_zero1_data_parallel():
+def test_5d_is_registered_and_leaves_the_layout_to_the_planner():
     t = trainer("5d", 2)
     assert isinstance(t.strategy, FiveDStrategy)
+    assert t.strategy._plan_layout
+    # Until setup, the fallback layout (data parallel, ZeRO-1) is what gets validated.
     assert t.strategy.zero_stage is ZeroStage.OPTIMIZER
     assert t.strategy.layout.dp_shard == 2 and t.strategy.layout.world_size == 2
     assert t.strategy.is_distributed
+
+
+def test_any_explicit_size_or_stage_turns_the_planner_off():
+    assert not FiveDStrategy(zero=2)._plan_layout
+    assert not FiveDStrategy(dp_replicate=1)._plan_layout
 
 
 def test_bad_layout_fails_when_the_trainer_is_built():

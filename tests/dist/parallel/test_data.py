@@ -34,7 +34,8 @@ def check_layout(tmp_path, nproc, zero, dp_replicate, accumulate, clip, precisio
         torch.testing.assert_close(params[name], value, rtol=0, atol=element_atol, msg=lambda m: f"{name}: {m}")
 
 
-FAST = [  # (nproc, zero, dp_replicate, accumulate, clip, precision)
+FAST = [  # (nproc, zero, dp_replicate, accumulate, clip, precision); zero "auto": Trainer(strategy="5d")
+    (2, "auto", 1, 2, 0.5, "64-true"),
     *[(2, zero, 1, 2, 0.5, "32-true") for zero in range(4)],
     *[(2, zero, 1, 2, 0.5, "64-true") for zero in range(4)],
     (4, 2, 2, 2, 0.5, "64-true"),  # HSDP: 2 replicas x 2 shards

@@ -19,7 +19,7 @@ from lightning_5d.checkpoint import full_model_state
 from tests_support import TINY, RecordingLM, make_datamodule
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--zero", type=int, default=1)
+parser.add_argument("--zero", default="1", help="0-3, or 'auto': Trainer(strategy='5d'), the planner's layout")
 parser.add_argument("--dp-replicate", type=int, default=1)
 parser.add_argument("--accumulate", type=int, default=1)
 parser.add_argument("--clip", type=float, default=None)
@@ -52,9 +52,12 @@ class MeasureModelState(L.Callback):
 
 L.seed_everything(0)
 model = RecordingLM(config=TINY)
-strategy = lightning_5d.FiveDStrategy(
-    dp_replicate=args.dp_replicate, zero=args.zero, activation_checkpointing=args.ac, bucket_size_mb=0.05
-)
+if args.zero == "auto":
+    strategy = "5d"
+else:
+    strategy = lightning_5d.FiveDStrategy(
+        dp_replicate=args.dp_replicate, zero=int(args.zero), activation_checkpointing=args.ac, bucket_size_mb=0.05
+    )
 measure = MeasureModelState()
 trainer = L.Trainer(
     accelerator="cpu",
@@ -72,11 +75,12 @@ trainer = L.Trainer(
     callbacks=[measure],
 )
 trainer.fit(model, datamodule=make_datamodule())
+strategy = trainer.strategy
 
 losses = torch.stack(model.losses)
 dist.all_reduce(losses, group=strategy.mesh.group("dp"))
 losses /= strategy.mesh.data_size
-state = full_model_state(model, sharded=args.zero == 3)
+state = full_model_state(model, sharded=strategy.zero_stage == 3)
 per_rank = [None] * dist.get_world_size()
 dist.all_gather_object(per_rank, {**measure.bytes, "activations": measure.activations})
 comm = [None] * dist.get_world_size()
@@ -84,6 +88,7 @@ dist.all_gather_object(comm, strategy.comm_bytes)
 if dist.get_rank() == 0:
     out = Path(args.out)
     torch.save({k: v.detach().clone() for k, v in state.items()}, out / "params.pt")
+    layout = {**strategy.layout.sizes(), "zero": int(strategy.zero_stage)}
     (out / "result.json").write_text(
-        json.dumps({"losses": losses.tolist(), "model_state_bytes": per_rank, "comm_bytes": comm})
+        json.dumps({"losses": losses.tolist(), "model_state_bytes": per_rank, "comm_bytes": comm, "layout": layout})
     )
