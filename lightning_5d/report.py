@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+from lightning_5d.accounting import ModelStateBytes, model_state_bytes
+
 MIB = 1024 * 1024
 _MEM_FIELDS = ("params", "grads", "optimizer", "peak_rss", "peak_accel")
 
@@ -86,6 +88,7 @@ class RunReport(Callback):
         self._step_times: dict[int, float] = {}  # optimizer step -> time it finished
         self._history: list[dict[str, float]] = []
         self._t_start = 0.0
+        self._state: Optional[ModelStateBytes] = None
 
     # ------------------------------------------------------------------ helpers
     def _mean_over_ranks(self, value: float, device: torch.device) -> float:
@@ -146,15 +149,18 @@ class RunReport(Callback):
             rate = f"{tps:,.0f}" if tps is not None else "-"
             print(f"[l5d] step {self._step}{total}  loss {loss:.4f}  tokens/s {rate}", flush=True)
 
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        from lightning_5d.accounting import model_state_bytes
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        # Model state peaks here (gradients complete, optimizer states allocated): this is
+        # the moment the ZeRO accounting describes.
+        self._state = model_state_bytes(pl_module, trainer.optimizers)
 
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         wall_s = time.perf_counter() - self._t_start
         final_loss = self._mean_over_ranks(
             self._last_loss if self._last_loss is not None else float("nan"), pl_module.device
         )
         tps = self._tokens_per_s(trainer, 1, self._step)
-        state = model_state_bytes(pl_module, trainer.optimizers)
+        state = self._state or model_state_bytes(pl_module, trainer.optimizers)
         accel = torch.cuda.max_memory_allocated() if pl_module.device.type == "cuda" else 0
         mine = [state.params, state.grads, state.optimizer, peak_rss_bytes(), accel]
         table = self._gather(mine, pl_module.device)
@@ -197,7 +203,7 @@ class RunReport(Callback):
     def _memory_table(rows: list[dict[str, int]]) -> str:
         accel = any(r["peak_accel"] for r in rows)
         head = ["rank", "params", "grads", "optimizer", "model_state", "peak_rss"] + (["peak_accel"] if accel else [])
-        lines = ["[l5d] memory per rank (MiB): model state held on the rank; process peak RSS"]
+        lines = ["[l5d] memory per rank (MiB): model state held before the last optimizer step; process peak RSS"]
         lines.append("".join(f"{h:>12}" for h in head))
         for r in rows:
             cells = [f"{r['rank']:>12}"] + [f"{r[k] / MIB:>12.2f}" for k in head[1:]]
