@@ -13,20 +13,22 @@ from tests_support import BATCH_SIZE, TINY, RecordingLM, make_datamodule
 
 
 def reference_run(steps: int, data_ranks: int, accumulate: int = 1, clip: float | None = None,
-                  dtype: torch.dtype = torch.float32):  # fmt: skip
+                  dtype: torch.dtype = torch.float32, num_samples: int | None = None):  # fmt: skip
     L.seed_everything(0, verbose=False)
     model = RecordingLM(config=TINY).to(dtype)
-    dm = make_datamodule()
+    dm = make_datamodule(num_samples)
     dm.setup("fit")
     dataset = dm.train_dataset
     optimizer = model.configure_optimizers()
-    perm = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0)).tolist()
     global_batch = BATCH_SIZE * data_ranks
+    batches_per_epoch = len(dataset) // global_batch
     losses = []
     for step in range(steps):
         optimizer.zero_grad()
         for micro in range(accumulate):
-            k = step * accumulate + micro
+            epoch, k = divmod(step * accumulate + micro, batches_per_epoch)
+            # The sampler reseeds every epoch with seed + epoch.
+            perm = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(epoch)).tolist()
             batch = default_collate([dataset[i] for i in perm[k * global_batch : (k + 1) * global_batch]])
             logits = model(batch["input_ids"])
             loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())

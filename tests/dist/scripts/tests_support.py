@@ -1,6 +1,7 @@
 """Shared by the multi-process scripts and the single-process references of the tests."""
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -17,8 +18,11 @@ NUM_SAMPLES = 256
 class RecordingLM(LlamaLM):
     """The reference model, unchanged, plus a record of each micro-batch's loss."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, config: LlamaConfig = TINY, **kwargs):
+        # Lightning records this frame's arguments as hyperparameters: keep them plain
+        # data so checkpoints load with torch.load(weights_only=True).
+        config = asdict(config) if isinstance(config, LlamaConfig) else config
+        super().__init__(config=config, **kwargs)
         self.losses = []
 
     def training_step(self, batch, batch_idx):
@@ -27,8 +31,8 @@ class RecordingLM(LlamaLM):
         return loss
 
 
-def make_datamodule() -> TextDataModule:
-    return TextDataModule(seq_len=SEQ_LEN, batch_size=BATCH_SIZE, num_samples=NUM_SAMPLES, val_samples=16)
+def make_datamodule(num_samples: int | None = None) -> TextDataModule:
+    return TextDataModule(seq_len=SEQ_LEN, batch_size=BATCH_SIZE, num_samples=num_samples or NUM_SAMPLES, val_samples=16)
 SCRIPTS = Path(__file__).parent
 
 

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
 import torch
 import torch.distributed as dist
 
@@ -26,6 +27,10 @@ parser.add_argument("--clip", type=float, default=None)
 parser.add_argument("--steps", type=int, default=5)
 parser.add_argument("--ac", default="none")
 parser.add_argument("--precision", default="32-true")
+parser.add_argument("--num-samples", type=int, default=None)
+parser.add_argument("--max-epochs", type=int, default=None, help="train whole epochs instead of --steps")
+parser.add_argument("--save", default=None, help="ModelCheckpoint file name (in --out) written at each epoch end")
+parser.add_argument("--resume", default=None, help="checkpoint to resume from (Trainer.fit ckpt_path)")
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 
@@ -46,7 +51,9 @@ class MeasureModelState(L.Callback):
             self.activations, self._meter = self._meter.bytes, None
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        if trainer.global_step == 1 and self.bytes is None:  # optimizer states exist after step 1
+        if self.bytes is None:  # first step of this run; optimizer states exist from its 2nd step
+            self.bytes = {}
+        elif not self.bytes:  # optimizer states exist after step 1
             self.bytes = model_state_bytes(pl_module, trainer.optimizers).as_dict()
 
 
@@ -59,22 +66,26 @@ else:
         dp_replicate=args.dp_replicate, zero=int(args.zero), activation_checkpointing=args.ac, bucket_size_mb=0.05
     )
 measure = MeasureModelState()
+callbacks = [measure]
+if args.save:
+    callbacks.append(ModelCheckpoint(dirpath=args.out, filename=args.save, save_on_train_epoch_end=True))
 trainer = L.Trainer(
     accelerator="cpu",
     strategy=strategy,
     devices=int(__import__("os").environ["WORLD_SIZE"]),
     precision=args.precision,
-    max_steps=args.steps,
+    max_steps=-1 if args.max_epochs else args.steps,
+    max_epochs=args.max_epochs,
     accumulate_grad_batches=args.accumulate,
     gradient_clip_val=args.clip,
     logger=False,
-    enable_checkpointing=False,
+    enable_checkpointing=bool(args.save),
     enable_progress_bar=False,
     enable_model_summary=False,
     limit_val_batches=0,
-    callbacks=[measure],
+    callbacks=callbacks,
 )
-trainer.fit(model, datamodule=make_datamodule())
+trainer.fit(model, datamodule=make_datamodule(args.num_samples), ckpt_path=args.resume)
 strategy = trainer.strategy
 
 losses = torch.stack(model.losses)
