@@ -160,32 +160,17 @@ PRESETS: dict[str, ModelSpec] = {
             experts_top_k=2,
             max_seq_len=32768,
         ),
-        # The reference model's recipes (lightning_5d.models): small enough for CPU tests.
-        ModelSpec(
-            name="l5d-tiny",
-            vocab_size=256,
-            hidden_size=128,
-            intermediate_size=384,
-            num_layers=4,
-            num_heads=8,
-            num_kv_heads=4,
-            max_seq_len=256,
-        ),
-        ModelSpec(
-            name="l5d-tiny-moe",
-            vocab_size=256,
-            hidden_size=128,
-            intermediate_size=384,
-            num_layers=4,
-            num_heads=8,
-            num_kv_heads=4,
-            max_seq_len=256,
-            num_experts=4,
-            experts_top_k=2,
-            moe_intermediate_size=192,
-        ),
     )
 }
+
+
+def _reference_presets() -> dict[str, ModelSpec]:
+    """The reference model's recipes (conf/model/tiny*.yaml): the LlamaConfig defaults."""
+    from lightning_5d.models.llama import LlamaConfig
+
+    tiny = spec_from_config_object(LlamaConfig(), name="l5d-tiny")
+    moe = dataclasses.replace(tiny, name="l5d-tiny-moe", num_experts=4, experts_top_k=2, moe_intermediate_size=192)
+    return {tiny.name: tiny, moe.name: moe}
 
 
 def get_preset(name: str) -> ModelSpec:
@@ -355,3 +340,6 @@ def load_spec(model: Any, **overrides: Any) -> ModelSpec:
     else:
         return spec_from_module(model, **overrides)
     return spec.replace(**overrides) if overrides else spec
+
+
+PRESETS.update(_reference_presets())

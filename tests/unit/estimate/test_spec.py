@@ -31,7 +31,7 @@ def test_reference_model_recipes():
     moe = get_preset("l5d-tiny-moe")
     assert (moe.num_experts, moe.experts_top_k, moe.moe_intermediate_size) == (4, 2, 192)
     assert (
-        dataclasses.replace(moe, name="l5d-tiny", num_experts=0, experts_top_k=0, moe_intermediate_size=None)
+        dataclasses.replace(moe, name="l5d-tiny", num_experts=0, experts_top_k=tiny.experts_top_k, moe_intermediate_size=None)
         == tiny
     )
 
