@@ -25,7 +25,7 @@ def train(out, zero, epochs, save=None, resume=None):
     return json.loads((out / "result.json").read_text()), torch.load(out / "params.pt")
 
 
-@pytest.mark.dist
+@pytest.mark.distributed
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("save_zero,resume_zero", [(1, 2), (3, 3), pytest.param(2, 0, marks=pytest.mark.slow)])
 def test_resume_under_another_stage_continues_the_same_run(tmp_path, save_zero, resume_zero):

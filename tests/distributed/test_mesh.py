@@ -8,7 +8,7 @@ from lightning_5d.testing import run_distributed
 from tests_support import SCRIPTS
 
 
-@pytest.mark.dist
+@pytest.mark.distributed
 @pytest.mark.timeout(240)
 def test_sampler_shards_are_disjoint_and_cover_the_data(tmp_path):
     out = tmp_path / "seen.json"

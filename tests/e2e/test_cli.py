@@ -112,7 +112,7 @@ def test_parallel_group_keys_are_parallel_config_fields(option):
 # ------------------------------------------------------------------ subprocesses
 
 
-@pytest.mark.dist
+@pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_train_short_run(tmp_path):
     run_dir = tmp_path / "run"
@@ -148,7 +148,7 @@ def test_bad_layout_fails_before_any_worker(tmp_path, overrides, message):
 
 
 @pytest.mark.slow
-@pytest.mark.dist
+@pytest.mark.distributed
 @pytest.mark.timeout(600)
 def test_multirun_each_job_has_its_summary(tmp_path):
     sweep = tmp_path / "sweep"

@@ -49,14 +49,14 @@ FULL = [
 PARAMS = "nproc,zero,dp_replicate,accumulate,clip,precision"
 
 
-@pytest.mark.dist
+@pytest.mark.distributed
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(PARAMS, FAST)
 def test_zero_matches_single_process(tmp_path, nproc, zero, dp_replicate, accumulate, clip, precision):
     check_layout(tmp_path, nproc, zero, dp_replicate, accumulate, clip, precision)
 
 
-@pytest.mark.dist
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(PARAMS, FULL)
