@@ -8,12 +8,10 @@ and starts ``devices`` workers on it with ``torch.distributed.run``
 (:mod:`lightning_5d.launch`). Lightning's own launcher is not used because it
 re-executes ``sys.argv``, which would re-run the Hydra app (and a whole multirun).
 
-Configs live outside the package, next to it: ``conf/`` holds the config groups and
-the top-level ``recipes/`` directory *is* the ``recipe`` group. Hydra maps a group to
-a directory of the same name under a search-path root, so a small config source
-(scheme ``l5d-recipes://``) serves ``recipes/<name>.yaml`` as ``recipe/<name>``, and a
-search-path plugin puts it on every search path (so ``--help`` lists the recipes too). Your own recipes: put them
-in ``<dir>/recipe/<name>.yaml`` and pass ``--config-dir <dir>``.
+Configs live outside the package, next to it: ``conf/`` holds the config groups, and
+``conf/recipe`` is a link to the top-level ``recipes/`` directory, which makes it the
+``recipe`` group. Your own recipes: put them in ``<dir>/recipe/<name>.yaml`` and pass
+``--config-dir <dir>``.
 """
 
 from __future__ import annotations
@@ -23,11 +21,8 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, Iterable, List, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
-from hydra.core.object_type import ObjectType
-from hydra.plugins.config_source import ConfigLoadError, ConfigResult, ConfigSource
-from hydra.plugins.search_path_plugin import SearchPathPlugin
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_5d.launch import WorkersFailed
@@ -71,82 +66,11 @@ def config_dir() -> Path:
     return project_root() / "conf"
 
 
-class RecipeConfigSource(ConfigSource):
-    """Serves a directory of recipe files as the ``recipe`` config group.
-
-    ``l5d-recipes://recipes`` is the top-level ``recipes/`` of :func:`project_root`;
-    an absolute path (``l5d-recipes:///abs/dir``) serves another directory the same way.
-    """
-
-    @staticmethod
-    def scheme() -> str:
-        return "l5d-recipes"
-
-    def _dir(self) -> Path:
-        path = Path(self.path)
-        return path if path.is_absolute() else project_root() / path
-
-    def _file(self, config_path: str) -> Optional[Path]:
-        group, _, name = config_path.partition("/")
-        if group != RECIPE_GROUP or not name or "/" in name:
-            return None
-        return self._dir() / self._normalize_file_name(name)
-
-    def load_config(self, config_path: str) -> ConfigResult:
-        file = self._file(config_path)
-        if file is None or not file.is_file():
-            raise ConfigLoadError(f"Config not found: {config_path} (recipes in {self._dir()})")
-        text = file.read_text(encoding="utf-8")
-        return ConfigResult(
-            config=OmegaConf.create(text) if text.strip() else OmegaConf.create({}),
-            path=f"{self.scheme()}://{self._dir()}",
-            provider=self.provider,
-            header=ConfigSource._get_header_dict(text[:512]),
-        )
-
-    def available(self) -> bool:
-        return self._dir().is_dir()
-
-    def is_group(self, config_path: str) -> bool:
-        return config_path in ("", RECIPE_GROUP) and self.available()
-
-    def is_config(self, config_path: str) -> bool:
-        file = self._file(config_path)
-        return file is not None and file.is_file()
-
-    def list(self, config_path: str, results_filter: Optional[ObjectType]) -> List[str]:
-        if not self.available():
-            return []
-        if config_path == "":
-            return [RECIPE_GROUP] if results_filter in (None, ObjectType.GROUP) else []
-        if config_path != RECIPE_GROUP or results_filter == ObjectType.GROUP:
-            return []
-        return sorted(p.stem for p in self._dir().glob("*.yaml") if p.is_file())
-
-
-class RecipeSearchPath(SearchPathPlugin):
-    """Puts the top-level ``recipes/`` on every search path: ``l5d train``, :func:`compose`, ``--help``."""
-
-    def manipulate_search_path(self, search_path) -> None:
-        search_path.append(provider="l5d-recipes", path=f"{RecipeConfigSource.scheme()}://recipes")
-
-
-def register_recipe_source() -> None:
-    """Register the recipe group's config source and search path with Hydra (idempotent)."""
-    from hydra.core.plugins import Plugins
-
-    plugins = Plugins.instance()
-    plugins.register(RecipeConfigSource)
-    if RecipeSearchPath not in plugins.discover(SearchPathPlugin):
-        plugins.register(RecipeSearchPath)
-
-
 def compose(overrides: Iterable[str] = (), return_hydra_config: bool = False) -> DictConfig:
     """The job config ``l5d train <overrides>`` would run, without running it."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    register_recipe_source()
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3", job_name="train"):
         return hydra_compose("config", overrides=list(overrides), return_hydra_config=return_hydra_config)
 
@@ -292,7 +216,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as err:
         print(f"l5d train: {err}", file=sys.stderr)
         return 2
-    register_recipe_source()
     app = hydra.main(version_base="1.3", config_path=str(conf), config_name="config")(run_job)
     saved = sys.argv
     # Hydra parses sys.argv; argv[0] only names the program in its usage text.
