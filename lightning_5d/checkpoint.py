@@ -1,10 +1,10 @@
 """Checkpoint files for the 5D strategy.
 
-Today's format is layout-independent: every tensor is gathered to its full shape, so a
-checkpoint written under one data-parallel layout loads under any other (ZeRO stages 0-2
-share the optimizer format of plain PyTorch; ZeRO-3 uses torch.distributed.checkpoint's
-full, FQN-keyed format). Files are written to a temporary name and renamed, so a crash
-mid-save never leaves a truncated file under the final name.
+Today's format is layout-independent: every tensor is gathered to its full shape and the
+optimizer state is keyed by parameter name (torch.distributed.checkpoint's full format,
+which every ZeRO stage writes and reads), so a checkpoint written under one data-parallel
+layout loads under any other. Local files are written to a temporary name and renamed,
+so a crash mid-save never leaves a truncated file under the final name.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -49,7 +50,16 @@ def load_fsdp_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimize
     set_optimizer_state_dict(module, optimizer, dict(state), options=StateDictOptions(full_state_dict=True))
 
 
+def _is_local(filepath: str | os.PathLike) -> bool:
+    return "://" not in str(filepath)
+
+
 def atomic_save(checkpoint: dict[str, Any], filepath: str | os.PathLike, checkpoint_io, storage_options=None) -> None:
+    # The rename is only atomic, and only safe, for a synchronous write to a local file:
+    # remote URLs and asynchronous checkpoint IO go straight through.
+    if not (_is_local(filepath) and type(checkpoint_io) is TorchCheckpointIO):
+        checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        return
     path = Path(filepath)
     tmp = path.with_name(f".{path.name}.partial")
     checkpoint_io.save_checkpoint(checkpoint, tmp, storage_options=storage_options)
@@ -57,8 +67,8 @@ def atomic_save(checkpoint: dict[str, Any], filepath: str | os.PathLike, checkpo
 
 
 def load_file(checkpoint_io, filepath: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
-    path = Path(filepath)
-    if not path.is_file():
+    path = Path(filepath) if _is_local(filepath) else filepath
+    if _is_local(filepath) and not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist (or is a directory); pass the path of a .ckpt file.")
     try:
         return checkpoint_io.load_checkpoint(path, weights_only=weights_only)

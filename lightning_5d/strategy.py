@@ -146,7 +146,7 @@ class FiveDStrategy(ParallelStrategy):
     @property
     @override
     def lightning_restore_optimizer(self) -> bool:
-        return False  # load_checkpoint() restores them itself
+        return True  # through load_optimizer_state_dict below, after setup sharded them
 
     @override
     def _configure_launcher(self) -> None:
@@ -161,16 +161,7 @@ class FiveDStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         world_size = self.num_nodes * self.num_processes
-        if self._plan_layout:
-            self.config = planned_config(
-                self.config,
-                self.lightning_module,
-                world_size,
-                precision=self.precision_plugin.precision,
-                device=self.root_device,
-                local_processes=self.num_processes,
-            )
-        # Validate before any process group exists, so a bad layout costs nothing.
+        # An explicit layout was validated in _configure_launcher, before any process started.
         self._layout = self.config.resolve(world_size)
         super().setup_environment()
         reset_seed()
@@ -180,7 +171,23 @@ class FiveDStrategy(ParallelStrategy):
         )
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
-        self._mesh = ParallelMesh(self._layout, self.root_device.type)
+        if self._plan_layout:
+            # Rank 0 decides for everyone: ranks on hosts with different memory could disagree.
+            self.config = self.broadcast(
+                planned_config(
+                    self.config,
+                    self.lightning_module,
+                    world_size,
+                    precision=self.precision_plugin.precision,
+                    device=self.root_device,
+                    local_processes=self.num_processes,
+                )
+                if self.global_rank == 0
+                else None
+            )
+            self._layout = self.config.resolve(world_size)
+        if self._mesh is None or self._mesh.layout != self._layout:
+            self._mesh = ParallelMesh(self._layout, self.root_device.type)
         # Gloo aborts the process if its groups are still alive during interpreter shutdown,
         # which would turn every finished run into a crash; a later Trainer may still reuse it.
         atexit.register(_destroy_process_group)
@@ -211,8 +218,11 @@ class FiveDStrategy(ParallelStrategy):
 
     def _parallelize(self, module: torch.nn.Module) -> None:
         """The fixed order of the design: ... -> activation checkpointing -> ZeRO/FSDP."""
-        if self._zero is not None or self._fsdp_units:
-            return  # already parallelized (e.g. fit after validate)
+        if self._zero is not None:
+            self._zero.active = True  # fit after validate: same module, same engine
+            return
+        if self._fsdp_units:
+            return
         broadcast_module(module, self.mesh)
         if self.config.activation_checkpointing != ActivationCheckpointing.NONE:
             _, blocks = require_blocks(module, f"activation_checkpointing={self.config.activation_checkpointing.value}")
@@ -248,9 +258,18 @@ class FiveDStrategy(ParallelStrategy):
             set_gradient_sync(self._fsdp_units, True)
 
     @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        if self._zero is not None:
+            self._zero.start_backward()
+
+    @override
     def post_backward(self, closure_loss: Tensor) -> None:
         if self._zero is not None:
             self._zero.finish_gradient_sync()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        _EXIT.failed = True  # peers may be gone: leave without waiting for them
 
     @property
     def comm_bytes(self) -> dict[str, int]:
@@ -280,7 +299,7 @@ class FiveDStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         if self._zero is not None:
-            self._zero.remove()
+            self._zero.active = False  # hooks stay for a later fit/validate with this Trainer
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
@@ -301,33 +320,42 @@ class FiveDStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        # Everything was gathered into full tensors on every rank's call; rank 0 writes.
+        # Every rank gathered full tensors in dump_checkpoint; rank 0 writes, and everyone
+        # learns whether that worked, so a failed write cannot leave the others hanging.
+        error = None
         if self.is_global_zero:
-            ckpt.atomic_save(checkpoint, filepath, self.checkpoint_io, storage_options)
-        self.barrier("save_checkpoint")
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        pass  # done in load_checkpoint, before the optimizer states that depend on it
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        pass
+            try:
+                ckpt.atomic_save(checkpoint, filepath, self.checkpoint_io, storage_options)
+            except Exception as err:
+                error = f"{type(err).__name__}: {err}"
+        error = self.broadcast(error)
+        if error is not None:
+            raise ckpt.CheckpointError(f"rank 0 could not write checkpoint {filepath}: {error}")
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = ckpt.load_file(self.checkpoint_io, checkpoint_path, weights_only)
-        module = self.lightning_module
-        ckpt.load_full_model_state(module, checkpoint["state_dict"], sharded=bool(self._fsdp_units))
+        return ckpt.load_file(self.checkpoint_io, checkpoint_path, weights_only)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        ckpt.load_full_model_state(self.lightning_module, checkpoint["state_dict"], bool(self._fsdp_units), strict)
         if self._zero is not None:
             self._zero.refresh_masters()
-        for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        states = checkpoint["optimizer_states"]
+        if len(states) != len(self.optimizers):
+            raise ckpt.CheckpointError(
+                f"the checkpoint holds {len(states)} optimizer states but configure_optimizers returned "
+                f"{len(self.optimizers)} optimizers."
+            )
+        for optimizer, state in zip(self.optimizers, states):
             if self._fsdp_units:
-                ckpt.load_fsdp_optimizer_state(module, optimizer, state)
+                ckpt.load_fsdp_optimizer_state(self.lightning_module, optimizer, state)
             else:
                 assert self._zero is not None
                 self._zero.load_full_optimizer_state(optimizer, state)
-        return checkpoint
 
     @classmethod
     @override
@@ -339,16 +367,24 @@ class FiveDStrategy(ParallelStrategy):
         )
 
 
+class _ExitState:
+    failed = False
+
+
+_EXIT = _ExitState()
+
+
 def _destroy_process_group() -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     try:
         # A rank that tears its connections down while a peer still flushes the last
-        # collective makes that peer abort: leave together. Bounded, so a dead peer
-        # cannot turn a finished run into a hang.
-        if dist.get_backend() == "gloo":
+        # collective makes that peer abort: leave together, unless the run failed (then
+        # peers may never arrive). Gloo's monitored barrier has rank 0 acknowledge every
+        # rank, so nobody leaves before everyone has arrived; it is bounded by its timeout.
+        if not _EXIT.failed and dist.get_backend() == "gloo":
             dist.monitored_barrier(timeout=timedelta(seconds=60))
-        else:
-            dist.barrier()
+    except Exception:
+        pass  # leaving anyway
     finally:
         dist.destroy_process_group()

@@ -32,6 +32,9 @@ _SAVE_OUTPUTS = {
 }
 
 
+_WRAPPED = "_l5d_activation_checkpointed"
+
+
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OUTPUTS else CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -49,5 +52,8 @@ def apply_activation_checkpointing(blocks: Sequence[nn.Module], mode: Activation
     if mode == ActivationCheckpointing.SELECTIVE:
         kwargs["context_fn"] = _selective_context
     for block in blocks:
+        if getattr(block, _WRAPPED, False):
+            continue  # a second Trainer on the same module: recomputing twice would waste work
         inner = block.forward
         block.forward = functools.wraps(inner)(functools.partial(checkpoint, inner, **kwargs))  # type: ignore[method-assign]
+        setattr(block, _WRAPPED, True)

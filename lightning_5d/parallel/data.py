@@ -13,10 +13,17 @@ are laid out rank-major (``[chunk_0 of p1, chunk_0 of p2, ..., chunk_1 of p1, ..
 one ``reduce_scatter`` hands every rank its chunks of all of them, and one ``all_gather``
 after the optimizer step rebuilds the full parameters.
 
+Reduction protocol. Buckets are launched strictly in bucket order on every rank (a
+bucket waits for the ones before it), so collectives pair up across ranks even when
+ranks use different parameters. The backward that syncs ends with one queued autograd
+callback that launches what is left, waits, and places the results, so hooks such as
+``on_after_backward`` already see reduced gradients. A parameter that no rank used
+keeps ``grad=None`` (as in one process), found with one small all-reduce of a bitmap.
+
 Per-rank model-state bytes (fp32 params, Adam, Ψ parameters, N data ranks):
 
     stage 0: 4Ψ + 4Ψ + 8Ψ
-    stage 1: 4Ψ + 4Ψ + 8Ψ/N          (master slices alias the fp32 parameters)
+    stage 1: 4Ψ + 4Ψ + 8Ψ/N          (master slices alias the fp32 parameters and gradients)
     stage 2: 4Ψ + 4Ψ/N + 8Ψ/N        (full gradients freed once reduce-scattered)
     stage 3: (4Ψ + 4Ψ + 8Ψ)/N        (FSDP2)
 
@@ -27,19 +34,21 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_5d.config import ZeroStage
 from lightning_5d.mesh import ParallelMesh
 
-# Optimizers whose update of one element reads only that element's state and gradient.
-# ZeRO-1/2 hand the optimizer flat slices of parameters, which is exact only for these.
+# Optimizers whose update of one element reads only that element's state and gradient
+# and that create no state before their first step. ZeRO-1/2 hand the optimizer flat
+# slices of parameters, which is exact only for these.
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
     torch.optim.Adam,
@@ -47,11 +56,9 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Adamax,
     torch.optim.NAdam,
     torch.optim.RAdam,
-    torch.optim.Adagrad,
     torch.optim.RMSprop,
     torch.optim.Adadelta,
 )
-
 
 
 def master_dtype(param_dtype: torch.dtype) -> torch.dtype:
@@ -67,16 +74,17 @@ class _ParamShard:
     length: int  # ... [start, start + length), possibly empty
     offset: int = 0  # where this parameter's chunk sits in its bucket's per-rank segment
     master: nn.Parameter | None = None  # DTensor slice the optimizer updates
+    used: bool = False  # had a local gradient when its bucket was launched
 
 
 @dataclass
 class _Bucket:
+    index: int
     shards: list[_ParamShard]
     width: int  # elements per rank segment: sum of chunks (stage 1/2) or of numels (stage 0)
     ready: int = 0
     work: dist.Work | None = None
     buffer: torch.Tensor | None = None
-    members: set[int] = field(default_factory=set)
 
 
 class ZeroDataParallel:
@@ -95,6 +103,7 @@ class ZeroDataParallel:
         self.stage = ZeroStage(stage)
         self._reduce_dtype = reduce_dtype  # None: the master dtype of each bucket
         self.require_sync = True
+        self.active = True  # False between a Trainer's teardown and the next setup
         self.comm_bytes: Counter[str] = Counter()
         # Gradients are averaged over every rank that saw different tokens (dp x cp) ...
         self._average_group = mesh.group("dp_cp")
@@ -106,13 +115,20 @@ class ZeroDataParallel:
         self._shard_rank = self._shard_mesh.get_local_rank()
         self._replicate_group = mesh.group("dp_replicate") if mesh.size("dp_replicate") > 1 else None
 
-        params = _unique_trainable(module.parameters())
-        self._shards = [self._make_shard(p) for p in params]
-        self._shard_of = {id(s.param): s for s in self._shards}
+        named = _unique_trainable(module.named_parameters())
+        self._names = {id(p): name for name, p in module.named_parameters()}  # frozen ones too
+        self._shards = [self._make_shard(p) for _, p in named]
+        self._shard_of = {id(s.param): s for s in self._shards}  # masters are added as they are made
         self._buckets = self._make_buckets(self._shards, int(bucket_size_mb * 2**20))
         self._bucket_of = {id(s.param): b for b in self._buckets for s in b.shards}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
-        self._gather_hooks: list = []
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in named]
+        self._optimizer_hooks: list = []
+        self._optimizer_buckets: dict[int, list[_Bucket]] = {}
+        self._next = 0  # the next bucket to launch; identical order on every rank
+        self._backward_id = 0  # counts backwards started through the strategy
+        self._synced_id = -1  # the last backward whose reduction completed
+        self._callback_queued = False
+        self._aliased = False  # stage 1: master grads are views of the module's grads
 
     # ------------------------------------------------------------------ layout
     def _make_shard(self, p: nn.Parameter) -> _ParamShard:
@@ -123,26 +139,24 @@ class ZeroDataParallel:
 
     def _make_buckets(self, shards: Sequence[_ParamShard], capacity: int) -> list[_Bucket]:
         # Reverse registration order approximates the order gradients become ready.
-        buckets: list[_Bucket] = []
-        current: list[_ParamShard] = []
+        groups: list[list[_ParamShard]] = []
         size = 0
         for s in reversed(shards):
-            nbytes = s.param.numel() * s.param.element_size()
-            if current and (size + nbytes > capacity or s.param.dtype != current[0].param.dtype):
-                buckets.append(self._close_bucket(current))
-                current, size = [], 0
-            current.append(s)
-            size += nbytes
-        if current:
-            buckets.append(self._close_bucket(current))
-        return buckets
+            nbytes = s.param.numel() * master_dtype(s.param.dtype).itemsize
+            if groups and groups[-1] and (size + nbytes <= capacity and s.param.dtype == groups[-1][0].param.dtype):
+                groups[-1].append(s)
+                size += nbytes
+            else:
+                groups.append([s])
+                size = nbytes
+        return [self._close_bucket(i, group) for i, group in enumerate(groups)]
 
-    def _close_bucket(self, shards: list[_ParamShard]) -> _Bucket:
+    def _close_bucket(self, index: int, shards: list[_ParamShard]) -> _Bucket:
         offset = 0
         for s in shards:
             s.offset = offset
             offset += s.param.numel() if self.stage == ZeroStage.NONE else s.chunk
-        return _Bucket(shards=shards, width=offset, members={id(s.param) for s in shards})
+        return _Bucket(index=index, shards=shards, width=offset)
 
     def _bucket_dtype(self, bucket: _Bucket) -> torch.dtype:
         return self._reduce_dtype or master_dtype(bucket.shards[0].param.dtype)
@@ -156,89 +170,128 @@ class ZeroDataParallel:
     @property
     def _syncing(self) -> bool:
         # Stage 2 frees full gradients as it goes, so it must reduce on every micro-batch.
-        return self.require_sync or self.stage == ZeroStage.GRADIENTS
+        return self.active and (self.require_sync or self.stage == ZeroStage.GRADIENTS)
+
+    def start_backward(self) -> None:
+        """Before each backward run by the strategy."""
+        self._backward_id += 1
+        for bucket in self._buckets:  # nothing may be left over from an interrupted backward
+            bucket.ready, bucket.work, bucket.buffer = 0, None, None
+        self._next = 0
+        if self._aliased:
+            # A second synced backward before the optimizer step: the module's gradients
+            # must restart from zero, so the reduced slices move out of them first.
+            for s in self._shards:
+                if s.master is not None and s.master.grad is not None:
+                    s.master.grad = self._as_dtensor(s.master.grad._local_tensor.clone(), s)
+                s.param.grad = None
+            self._aliased = False
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if not self._syncing:
             return
-        bucket = self._bucket_of[id(p)]
-        bucket.ready += 1
-        if bucket.ready == len(bucket.shards):
+        if not self._callback_queued:
+            self._callback_queued = True
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._bucket_of[id(p)].ready += 1
+        while self._next < len(self._buckets):
+            bucket = self._buckets[self._next]
+            if bucket.ready < len(bucket.shards):
+                break
             self._launch(bucket)
+            self._next += 1
 
-    def _grad_or_zeros(self, p: nn.Parameter) -> torch.Tensor:
-        return p.grad if p.grad is not None else torch.zeros_like(p)
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        self._sync()
+
+    def finish_gradient_sync(self) -> None:
+        """After a backward run by the strategy: sync if no gradient hook did (no parameter got
+        a gradient on this rank), so this rank still joins the collectives of the others."""
+        if self._syncing and self._synced_id != self._backward_id:
+            self._sync()
+
+    def _sync(self) -> None:
+        for bucket in self._buckets[self._next :]:
+            self._launch(bucket)
+        self._next = len(self._buckets)
+        used = self._globally_used()
+        replicas = []
+        for bucket in self._buckets:
+            assert bucket.work is not None and bucket.buffer is not None
+            bucket.work.wait()
+            if self._replicate_group is not None and self.stage != ZeroStage.NONE:
+                self.comm_bytes["all_reduce"] += bucket.buffer.numel() * bucket.buffer.element_size()
+                replicas.append(dist.all_reduce(bucket.buffer, group=self._replicate_group, async_op=True))
+        for work in replicas:
+            work.wait()
+        for bucket in self._buckets:
+            for s in bucket.shards:
+                if used[id(s.param)]:
+                    self._place(bucket, s)
+                else:  # no rank used it: leave it out of the step, as one process would
+                    s.param.grad = None
+            bucket.ready, bucket.work, bucket.buffer = 0, None, None
+        self._next = 0
+        self._synced_id = self._backward_id
+
+    def _globally_used(self) -> dict[int, bool]:
+        flags = torch.tensor([s.used for s in self._shards], dtype=torch.uint8)
+        if self._average_size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._average_group)
+        return {id(s.param): bool(f) for s, f in zip(self._shards, flags.tolist())}
 
     def _launch(self, bucket: _Bucket) -> None:
         # Pre-divide so the sum over ranks is the mean over the data ranks.
         scale = 1.0 / self._average_size
         dtype = self._bucket_dtype(bucket)
+        device = bucket.shards[0].param.device
+        for s in bucket.shards:
+            s.used = s.param.grad is not None
         if self.stage == ZeroStage.NONE:
-            flat = torch.cat([self._grad_or_zeros(s.param).reshape(-1).to(dtype) for s in bucket.shards])
+            flat = torch.empty(bucket.width, dtype=dtype, device=device)
+            for s in bucket.shards:
+                piece = flat[s.offset : s.offset + s.param.numel()]
+                piece.copy_(s.param.grad.reshape(-1)) if s.used else piece.zero_()
             flat.mul_(scale)
             self.comm_bytes["all_reduce"] += flat.numel() * flat.element_size()
             bucket.buffer = flat
             bucket.work = dist.all_reduce(flat, group=self._average_group, async_op=True)
             return
-        world = self._shard_size
-        send = torch.zeros(world, bucket.width, dtype=dtype, device=bucket.shards[0].param.device)
+        send = torch.empty(self._shard_size, bucket.width, dtype=dtype, device=device)
         for s in bucket.shards:
-            g = self._grad_or_zeros(s.param).reshape(-1)
-            padded = torch.zeros(world * s.chunk, dtype=dtype, device=g.device)
-            padded[: g.numel()] = g
-            send[:, s.offset : s.offset + s.chunk] = padded.view(world, s.chunk)
+            _fill_rank_major(send[:, s.offset : s.offset + s.chunk], s.param.grad if s.used else None)
             if self.stage == ZeroStage.GRADIENTS:
                 s.param.grad = None  # the whole point of stage 2
         send.mul_(scale)
-        out = torch.empty(bucket.width, dtype=dtype, device=send.device)
+        out = torch.empty(bucket.width, dtype=dtype, device=device)
         self.comm_bytes["reduce_scatter"] += send.numel() * send.element_size()
         bucket.buffer = out
         bucket.work = dist.reduce_scatter_single(out, send.view(-1), group=self._shard_group, async_op=True)
 
-    def finish_gradient_sync(self) -> None:
-        """Wait for this backward's reductions and place the results; call after backward."""
-        if not self._syncing:
+    def _place(self, bucket: _Bucket, s: _ParamShard) -> None:
+        p = s.param
+        if self.stage == ZeroStage.NONE:
+            reduced = bucket.buffer[s.offset : s.offset + p.numel()].view_as(p)
+            if p.grad is None:
+                p.grad = reduced.to(p.dtype, copy=True)
+            else:
+                p.grad.copy_(reduced)
             return
-        for bucket in self._buckets:
-            if bucket.work is None:  # parameters that got no gradient this step
-                self._launch(bucket)
-        for bucket in self._buckets:
-            assert bucket.work is not None and bucket.buffer is not None
-            bucket.work.wait()
-            if self.stage == ZeroStage.NONE:
-                self._place_full(bucket)
-            else:
-                self._place_shard(bucket)
-            bucket.work, bucket.buffer, bucket.ready = None, None, 0
-
-    def _place_full(self, bucket: _Bucket) -> None:
-        for s in bucket.shards:
-            reduced = bucket.buffer[s.offset : s.offset + s.param.numel()].view_as(s.param)
-            if s.param.grad is None:
-                s.param.grad = reduced.to(s.param.dtype).clone()
-            else:
-                s.param.grad.copy_(reduced)
-
-    def _place_shard(self, bucket: _Bucket) -> None:
-        out = bucket.buffer
-        if self._replicate_group is not None:
-            self.comm_bytes["all_reduce"] += out.numel() * out.element_size()
-            dist.all_reduce(out, group=self._replicate_group)
-        for s in bucket.shards:
-            master = s.master
-            if master is None:
-                continue  # not handed to any optimizer
-            piece = out[s.offset : s.offset + s.length]
-            p = s.param
-            if self.stage == ZeroStage.OPTIMIZER and p.grad is not None and p.grad.dtype == master.dtype:
-                # Reuse the full gradient's own slice: ZeRO-1 holds full gradients anyway.
-                view = p.grad.view(-1)[s.start : s.start + s.length]
-                view.copy_(piece)
-                master.grad = self._as_dtensor(view, s)
-            elif master.grad is None:
-                master.grad = self._as_dtensor(piece.to(master.dtype).clone(), s)
-            else:  # stage 2 accumulating micro-batches
-                master.grad._local_tensor.add_(piece.to(master.dtype))
+        master = s.master
+        if master is None:
+            return  # not handed to any optimizer
+        piece = bucket.buffer[s.offset : s.offset + s.length]
+        if master.grad is not None:  # accumulating (stage 2 micro-batches, or a 2nd sync)
+            master.grad._local_tensor.add_(piece.to(master.dtype))
+        elif self.stage == ZeroStage.OPTIMIZER and p.grad is not None and p.grad.dtype == master.dtype:
+            # Reuse the full gradient's own slice: ZeRO-1 holds full gradients anyway.
+            view = p.grad.view(-1)[s.start : s.start + s.length]
+            view.copy_(piece)
+            master.grad = self._as_dtensor(view, s)
+            self._aliased = True
+        else:
+            master.grad = self._as_dtensor(piece.to(master.dtype, copy=True), s)
 
     # ------------------------------------------------------------------ optimizer
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -252,55 +305,55 @@ class ZeroDataParallel:
                 f"only for element-wise optimizers ({names}); {type(optimizer).__name__} is not one. "
                 f"Use zero=0 or zero=3 (FSDP2 keeps dim-0 shards), or one of those optimizers."
             )
+        if self._optimizer_buckets:
+            # Lightning's toggle_optimizer flips requires_grad on the optimizer's parameters,
+            # which here are the slices, not the module's parameters: it would silently do nothing.
+            raise RuntimeError(
+                f"zero={int(self.stage)} supports one optimizer; this module configures several. "
+                f"Use zero=0 or zero=3 for several optimizers."
+            )
         if optimizer.state:
             raise RuntimeError("shard_optimizer must run before the optimizer's first step.")
         for group in optimizer.param_groups:
             group["params"] = [self._master_for(p) for p in group["params"]]
-        self._gather_hooks.append(optimizer.register_step_post_hook(lambda *_: self.gather_parameters()))
+        masters = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        self._optimizer_buckets[id(optimizer)] = [
+            b for b in self._buckets if any(s.master is not None and id(s.master) in masters for s in b.shards)
+        ]
+        layout = _group_layout(optimizer)
+        self._optimizer_hooks += [
+            optimizer.register_step_pre_hook(lambda opt, *_: _check_unchanged(opt, layout)),
+            optimizer.register_step_post_hook(lambda opt, *_: self.gather_parameters(opt)),
+        ]
 
-    def _master_for(self, p: torch.Tensor) -> nn.Parameter:
+    def _master_for(self, p: torch.Tensor) -> torch.Tensor:
         s = self._shard_of.get(id(p))
         if s is None:
+            if not p.requires_grad:
+                return p  # frozen: never gets a gradient, so the optimizer never touches it
             raise ValueError(
-                f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not a trainable "
-                f"parameter of the LightningModule; ZeRO can only shard the module's own parameters."
+                f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not a parameter of "
+                f"the LightningModule; ZeRO can only shard the module's own parameters."
             )
         if s.master is None:
             flat = s.param.detach().view(-1)[s.start : s.start + s.length]
             wanted = master_dtype(s.param.dtype)
             local = flat if s.param.dtype == wanted else flat.to(wanted)
             s.master = nn.Parameter(self._as_dtensor(local, s))
+            self._shard_of[id(s.master)] = s
         return s.master
 
-    def shard_for_master(self, master: torch.Tensor) -> _ParamShard:
-        for s in self._shards:
-            if s.master is master:
-                return s
-        raise KeyError("not a master parameter of this engine")
-
-    def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        """The optimizer's state with every slice gathered to its parameter's full shape."""
-        if self.stage == ZeroStage.NONE:
-            return optimizer.state_dict()
-        return _full_optimizer_state(self, optimizer)
-
-    def load_full_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        if self.stage == ZeroStage.NONE:
-            optimizer.load_state_dict(state)
-        else:
-            _load_full_optimizer_state(self, optimizer, state)
-
     def refresh_masters(self) -> None:
-        """Copy parameters into separate master slices (after a checkpoint load)."""
+        """Copy parameters into separate master slices (after their values were loaded)."""
         for s in self._shards:
             if s.master is not None and s.param.dtype != s.master.dtype:
                 s.master._local_tensor.copy_(s.param.detach().view(-1)[s.start : s.start + s.length])
 
     @torch.no_grad()
-    def gather_parameters(self) -> None:
-        """All-gather updated slices into the full parameters (after each optimizer step)."""
+    def gather_parameters(self, optimizer: torch.optim.Optimizer) -> None:
+        """All-gather the slices ``optimizer`` just updated into the full parameters."""
         pending = []
-        for bucket in self._buckets:
+        for bucket in self._optimizer_buckets[id(optimizer)]:
             dtype = bucket.shards[0].param.dtype
             mine = torch.zeros(bucket.width, dtype=dtype, device=bucket.shards[0].param.device)
             for s in bucket.shards:
@@ -315,24 +368,106 @@ class ZeroDataParallel:
             for s in bucket.shards:
                 if s.master is None:
                     continue
-                values = rows[:, s.offset : s.offset + s.chunk].reshape(-1)[: s.param.numel()]
-                s.param.view(-1).copy_(values)
+                s.param.view(-1).copy_(rows[:, s.offset : s.offset + s.chunk].reshape(-1)[: s.param.numel()])
                 if self.stage == ZeroStage.OPTIMIZER:
                     s.param.grad = None  # the step consumed it; the next backward starts fresh
+        self._aliased = False
+
+    # ------------------------------------------------------------------ checkpoints
+    def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        """The optimizer's state keyed by parameter name, every slice gathered to its full
+        shape: the format of torch.distributed.checkpoint's full optimizer state dict, so
+        checkpoints move between ZeRO stages (FSDP2 writes and reads the same format)."""
+        state = optimizer.state_dict()
+        params = _flat_params(optimizer)
+        names = [self._name_of(p) for p in params]
+        full_state = {}
+        for idx, entry in state["state"].items():
+            shape = self._param_of(params[idx]).shape
+            full_state[names[idx]] = {
+                k: v.full_tensor().reshape(shape) if isinstance(v, DTensor) else v for k, v in entry.items()
+            }
+        groups = [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]
+        return {"state": full_state, "param_groups": groups}
+
+    def load_full_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        params = _flat_params(optimizer)
+        index = {self._name_of(p): i for i, p in enumerate(params)}
+        if len(state["param_groups"]) != len(optimizer.param_groups):
+            raise ValueError(
+                f"the checkpoint's optimizer has {len(state['param_groups'])} parameter groups, this one "
+                f"{len(optimizer.param_groups)}; configure_optimizers must build the same groups to resume."
+            )
+        missing = sorted(set(state["state"]) - set(index))
+        if missing:
+            raise ValueError(f"the checkpoint has optimizer state for unknown parameters {missing[:3]}...")
+        local_state = {}
+        for name, entry in state["state"].items():
+            p = params[index[name]]
+            s = self._shard_of.get(id(self._param_of(p)))
+            local_state[index[name]] = {k: self._localize(v, p, s) for k, v in entry.items()}
+        groups = [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]
+        optimizer.load_state_dict({"state": local_state, "param_groups": groups})
+
+    def _localize(self, value, p: torch.Tensor, s: _ParamShard | None):
+        if not isinstance(value, torch.Tensor) or value.dim() == 0 or s is None or p is s.param:
+            return value
+        local = value.reshape(-1)[s.start : s.start + s.length].clone()
+        return self._as_dtensor(local, s)
+
+    def _param_of(self, p: torch.Tensor) -> torch.Tensor:
+        """The module parameter behind an optimizer parameter (a master slice or itself)."""
+        s = self._shard_of.get(id(p))
+        return s.param if s is not None else p
+
+    def _name_of(self, p: torch.Tensor) -> str:
+        return self._names[id(self._param_of(p))]
 
     def remove(self) -> None:
-        for h in self._hooks + self._gather_hooks:
+        for h in self._hooks + self._optimizer_hooks:
             h.remove()
 
 
-def _unique_trainable(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+def _fill_rank_major(rows: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """Write a flat gradient into ``rows`` ([N, c]: row r is rank r's chunk), zero-padded."""
+    if grad is None:
+        rows.zero_()
+        return
+    flat = grad.reshape(-1)
+    world, chunk = rows.shape
+    full, rest = divmod(flat.numel(), chunk)
+    rows[:full].copy_(flat[: full * chunk].view(full, chunk))
+    if full < world:
+        rows[full, :rest].copy_(flat[full * chunk :])
+        rows[full, rest:].zero_()
+        rows[full + 1 :].zero_()
+
+
+def _unique_trainable(named: Iterable[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Parameter]]:
     seen: set[int] = set()
     out = []
-    for p in params:
+    for name, p in named:
         if p.requires_grad and id(p) not in seen:
             seen.add(id(p))
-            out.append(p)
+            out.append((name, p))
     return out
+
+
+def _flat_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _group_layout(optimizer: torch.optim.Optimizer) -> list[int]:
+    return [len(g["params"]) for g in optimizer.param_groups]
+
+
+def _check_unchanged(optimizer: torch.optim.Optimizer, layout: list[int]) -> None:
+    if _group_layout(optimizer) != layout:
+        raise RuntimeError(
+            "the optimizer's parameter groups changed after ZeRO sharded them (e.g. add_param_group "
+            "from a fine-tuning callback); those parameters would train on unreduced gradients. "
+            "Use zero=0 or zero=3 to change the optimizer's parameters during training."
+        )
 
 
 @torch.no_grad()
@@ -343,30 +478,3 @@ def broadcast_module(module: nn.Module, mesh: ParallelMesh) -> None:
         return
     for t in list(module.parameters()) + list(module.buffers()):
         dist.broadcast(t.data, group=group, group_src=0)
-
-
-def _flat_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def _full_optimizer_state(engine: ZeroDataParallel, optimizer: torch.optim.Optimizer) -> dict:
-    state = optimizer.state_dict()
-    params = _flat_params(optimizer)
-    for idx, entry in state["state"].items():
-        shape = engine.shard_for_master(params[idx]).param.shape
-        for key, value in list(entry.items()):
-            if isinstance(value, DTensor):
-                entry[key] = value.full_tensor().reshape(shape)
-    return state
-
-
-def _load_full_optimizer_state(engine: ZeroDataParallel, optimizer: torch.optim.Optimizer, state: dict) -> None:
-    params = _flat_params(optimizer)
-    state = {**state, "state": {idx: dict(entry) for idx, entry in state["state"].items()}}
-    for idx, entry in state["state"].items():
-        s = engine.shard_for_master(params[int(idx)])
-        for key, value in list(entry.items()):
-            if isinstance(value, torch.Tensor) and value.numel() == s.param.numel() and value.dim() > 0:
-                local = value.reshape(-1)[s.start : s.start + s.length].clone()
-                entry[key] = engine._as_dtensor(local, s)
-    optimizer.load_state_dict(state)

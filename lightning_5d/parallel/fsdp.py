@@ -40,6 +40,11 @@ def apply_fsdp(
     dp_mesh = fsdp_mesh(mesh)
     policy = mp_policy or MixedPrecisionPolicy()
     units: list[FSDPModule] = []
+    if any(isinstance(m, FSDPModule) for m in module.modules()):
+        raise RuntimeError(
+            "this module is already sharded by FSDP (a previous Trainer?); build a fresh module for a new "
+            "FiveDStrategy, or reuse the same Trainer."
+        )
     for i, block in enumerate(blocks):
         # The last block's parameters are needed first in backward: keep them gathered.
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1)

@@ -29,7 +29,7 @@ parser.add_argument("--ac", default="none")
 parser.add_argument("--precision", default="32-true")
 parser.add_argument("--num-samples", type=int, default=None)
 parser.add_argument("--max-epochs", type=int, default=None, help="train whole epochs instead of --steps")
-parser.add_argument("--save", default=None, help="ModelCheckpoint file name (in --out) written at each epoch end")
+parser.add_argument("--save", action="store_true", help="ModelCheckpoint: epoch=N.ckpt in --out at each epoch end")
 parser.add_argument("--resume", default=None, help="checkpoint to resume from (Trainer.fit ckpt_path)")
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
@@ -68,7 +68,7 @@ else:
 measure = MeasureModelState()
 callbacks = [measure]
 if args.save:
-    callbacks.append(ModelCheckpoint(dirpath=args.out, filename=args.save, save_on_train_epoch_end=True))
+    callbacks.append(ModelCheckpoint(dirpath=args.out, filename="{epoch}", save_top_k=-1, save_on_train_epoch_end=True))
 trainer = L.Trainer(
     accelerator="cpu",
     strategy=strategy,
@@ -79,7 +79,7 @@ trainer = L.Trainer(
     accumulate_grad_batches=args.accumulate,
     gradient_clip_val=args.clip,
     logger=False,
-    enable_checkpointing=bool(args.save),
+    enable_checkpointing=args.save,
     enable_progress_bar=False,
     enable_model_summary=False,
     limit_val_batches=0,
