@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_5d.models import LlamaConfig
 from lightning_5d.estimate import (
     PRESETS,
     ModelSpec,
@@ -154,26 +155,6 @@ def test_counter_matches_a_real_module(spec):
     assert count_params(spec).total == numel(TinyLlama(spec))
 
 
-@dataclasses.dataclass
-class LlamaLikeConfig:
-    """The reference model's config field names (lightning_5d.models.llama.LlamaConfig)."""
-
-    vocab_size: int = 256
-    hidden_size: int = 128
-    intermediate_size: int = 384
-    num_layers: int = 4
-    num_heads: int = 8
-    num_kv_heads: int = 4
-    max_seq_len: int = 256
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    num_experts: int = 0
-    experts_top_k: int = 2
-    moe_intermediate_size: int | None = None
-    num_shared_experts: int = 0
-
-
 class FakeLightningModule(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -182,9 +163,9 @@ class FakeLightningModule(nn.Module):
 
 
 def test_module_with_dataclass_config_on_model_attribute():
-    spec = spec_from_module(FakeLightningModule(LlamaLikeConfig()))
+    spec = spec_from_module(FakeLightningModule(LlamaConfig()))
     assert count_params(spec).total == count_params(get_preset("l5d-tiny")).total
-    moe = spec_from_module(FakeLightningModule(LlamaLikeConfig(num_experts=4, moe_intermediate_size=192)))
+    moe = spec_from_module(FakeLightningModule(LlamaConfig(num_experts=4, moe_intermediate_size=192)))
     assert count_params(moe).total == count_params(get_preset("l5d-tiny-moe")).total
 
 
