@@ -1,4 +1,8 @@
-"""`python -m benchmarks run [--quick] [--only NAME ...]`: run, then write RESULTS.md and results.json."""
+"""`python -m benchmarks run [--quick] [--only NAME ...]`: run, then write RESULTS.md and results.json.
+
+Results of benchmarks not run this time are kept from results.json, so `--only` refreshes
+one section without losing the others.
+"""
 
 from __future__ import annotations
 
@@ -8,40 +12,98 @@ import json
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 
-from benchmarks import memory_vs_theory
+from benchmarks import (
+    comm_vs_theory,
+    context_parallel_scaling,
+    memory_vs_theory,
+    overhead_vs_lightning,
+    pipeline_bubble,
+)
+from benchmarks.gpu import bench_1b
 
-BENCHMARKS = {"memory_vs_theory": memory_vs_theory}
+# In the order RESULTS.md shows them.
+BENCHMARKS = {
+    "overhead_vs_lightning": overhead_vs_lightning,
+    "comm_vs_theory": comm_vs_theory,
+    "memory_vs_theory": memory_vs_theory,
+    "pipeline_bubble": pipeline_bubble,
+    "context_parallel_scaling": context_parallel_scaling,
+    "gpu_1b": bench_1b,
+}
 HERE = Path(__file__).parent
+
+HOW_TO_RUN = """\
+## How to run
+
+```bash
+python -m benchmarks run --quick                          # every benchmark, fewer repeats/steps (CPU, < 15 min)
+python -m benchmarks run                                  # the full run (more repeats and timed steps)
+python -m benchmarks run --only comm_vs_theory            # one section; the others are kept from results.json
+python -m benchmarks.gpu.bench_1b [--peak-tflops 989]     # the ~1B single-GPU benchmark, on a CUDA machine
+```
+
+Each run rewrites this file and `results.json` (every raw number, per rank and per repeat).
+Multi-process benchmarks start their workers with `torch.distributed.run` (gloo, 1 thread per
+process) through `lightning_5d.testing.run_distributed`, which kills a hung run. Timings on a
+machine shared with other work are noisy: compare ratios taken within one run, not absolute
+numbers across runs; the load average at the start of each benchmark is recorded below.
+"""
 
 
 def machine() -> str:
     import torch
 
-    return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}"
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (f"{platform.machine()}, {os.cpu_count()} cores, {mem:.0f} GiB, Python {platform.python_version()}, "
+            f"torch {torch.__version__}")  # fmt: skip
+
+
+def render(results: dict) -> str:
+    sections = [
+        "# Benchmark results",
+        "",
+        "Written by `python -m benchmarks run`; raw numbers in `results.json`. A ✗ marks a ratio that misses "
+        "its target; each miss is explained next to it.",
+        "",
+        HOW_TO_RUN,
+    ]
+    for name in [n for n in BENCHMARKS if n in results] + sorted(set(results) - set(BENCHMARKS)):
+        result = results[name]
+        meta = [f"- command: `{result['command']}`", f"- machine: {result['machine']}", f"- date: {result['date']}"]
+        if "elapsed_s" in result:
+            meta.append(f"- wall time: {result['elapsed_s']:.0f} s; load average at start: {result['load_average']}")
+        sections += [f"## {name}", "", *meta, "", result["markdown"], ""]
+    return "\n".join(sections)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks")
     parser.add_argument("command", choices=["run"])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats and sizes")
-    parser.add_argument("--only", nargs="*", choices=sorted(BENCHMARKS), default=sorted(BENCHMARKS))
+    parser.add_argument("--quick", action="store_true", help="fewer repeats and steps")
+    parser.add_argument("--only", nargs="*", choices=list(BENCHMARKS), default=list(BENCHMARKS))
     args = parser.parse_args(argv)
     results = json.loads((HERE / "results.json").read_text()) if (HERE / "results.json").exists() else {}
+    started = time.perf_counter()
     for name in args.only:
         print(f"[benchmarks] {name} ...", flush=True)
+        load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+        t0 = time.perf_counter()
         result = BENCHMARKS[name].run(args.quick)
+        result["elapsed_s"] = time.perf_counter() - t0
+        result["load_average"] = load
+        result["quick"] = args.quick
         result["date"] = dt.date.today().isoformat()
         result["machine"] = machine()
         result["markdown"] = BENCHMARKS[name].markdown(result)
         results[name] = result
-    (HERE / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-    sections = ["# Benchmark results", "", "Written by `python -m benchmarks run`; numbers are ratios measured side by side in one run.", ""]
-    for name, result in sorted(results.items()):
-        sections += [f"## {name}", "", f"- command: `{result['command']}`", f"- machine: {result['machine']}",
-                     f"- date: {result['date']}", "", result["markdown"], ""]  # fmt: skip
-    (HERE / "RESULTS.md").write_text("\n".join(sections))
+        print(f"[benchmarks] {name}: {result['elapsed_s']:.0f} s", flush=True)
+        # Written after every benchmark, so an interrupted run keeps what it measured.
+        (HERE / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+        (HERE / "RESULTS.md").write_text(render(results))
+    print(f"[benchmarks] total: {time.perf_counter() - started:.0f} s", flush=True)
     print((HERE / "RESULTS.md").read_text())
     return 0
 

@@ -42,11 +42,11 @@ def load_full_model_state(module: nn.Module, state: Mapping[str, Any], sharded: 
         module.load_state_dict(state, strict=strict)
 
 
-def fsdp_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def dcp_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return get_optimizer_state_dict(module, optimizer, options=_FULL)
 
 
-def load_fsdp_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+def load_dcp_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
     set_optimizer_state_dict(module, optimizer, dict(state), options=StateDictOptions(full_state_dict=True))
 
 

@@ -230,8 +230,9 @@ class FiveDStrategy(ParallelStrategy):
         if self.config.zero == ZeroStage.PARAMETERS:
             _, blocks = find_blocks(module)
             self._fsdp_units = apply_fsdp(module, blocks, self.mesh)
-        else:
+        elif self.mesh.size("dp_cp") > 1:
             self._zero = ZeroDataParallel(module, self.mesh, self.config.zero, self.config.bucket_size_mb)
+        # else: no data-parallel peers, nothing to reduce or shard: plain single-rank training.
 
     @override
     def setup_optimizers(self, trainer) -> None:
@@ -271,11 +272,6 @@ class FiveDStrategy(ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         _EXIT.failed = True  # peers may be gone: leave without waiting for them
 
-    @property
-    def comm_bytes(self) -> dict[str, int]:
-        """Bytes sent per collective by the data-parallel engine since setup (stages 0-2)."""
-        return dict(self._zero.comm_bytes) if self._zero is not None else {}
-
     # ------------------------------------------------------------------ collectives
     @override
     def barrier(self, name: str | None = None) -> None:
@@ -313,9 +309,8 @@ class FiveDStrategy(ParallelStrategy):
     @override
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         optimizer = getattr(optimizer, "_optimizer", optimizer)
-        if self._fsdp_units:
-            return ckpt.fsdp_optimizer_state(self.lightning_module, optimizer)
-        assert self._zero is not None
+        if self._zero is None:  # FSDP2, or no data-parallel peers: torch's own full format
+            return ckpt.dcp_optimizer_state(self.lightning_module, optimizer)
         return self._zero.full_optimizer_state(optimizer)
 
     @override
@@ -351,10 +346,9 @@ class FiveDStrategy(ParallelStrategy):
                 f"{len(self.optimizers)} optimizers."
             )
         for optimizer, state in zip(self.optimizers, states):
-            if self._fsdp_units:
-                ckpt.load_fsdp_optimizer_state(self.lightning_module, optimizer, state)
+            if self._zero is None:
+                ckpt.load_dcp_optimizer_state(self.lightning_module, optimizer, state)
             else:
-                assert self._zero is not None
                 self._zero.load_full_optimizer_state(optimizer, state)
 
     @classmethod

@@ -33,7 +33,6 @@ With low-precision parameters the masters are separate fp32 slices (+4Ψ/N).
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -104,7 +103,6 @@ class ZeroDataParallel:
         self._reduce_dtype = reduce_dtype  # None: the master dtype of each bucket
         self.require_sync = True
         self.active = True  # False between a Trainer's teardown and the next setup
-        self.comm_bytes: Counter[str] = Counter()
         # Gradients are averaged over every rank that saw different tokens (dp x cp) ...
         self._average_group = mesh.group("dp_cp")
         self._average_size = mesh.size("dp_cp")
@@ -221,7 +219,6 @@ class ZeroDataParallel:
             assert bucket.work is not None and bucket.buffer is not None
             bucket.work.wait()
             if self._replicate_group is not None and self.stage != ZeroStage.NONE:
-                self.comm_bytes["all_reduce"] += bucket.buffer.numel() * bucket.buffer.element_size()
                 replicas.append(dist.all_reduce(bucket.buffer, group=self._replicate_group, async_op=True))
         for work in replicas:
             work.wait()
@@ -236,7 +233,8 @@ class ZeroDataParallel:
         self._synced_id = self._backward_id
 
     def _globally_used(self) -> dict[int, bool]:
-        flags = torch.tensor([s.used for s in self._shards], dtype=torch.uint8)
+        # On the parameters' device: NCCL reduces only device tensors.
+        flags = torch.tensor([s.used for s in self._shards], dtype=torch.uint8, device=self._shards[0].param.device)
         if self._average_size > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._average_group)
         return {id(s.param): bool(f) for s, f in zip(self._shards, flags.tolist())}
@@ -254,7 +252,6 @@ class ZeroDataParallel:
                 piece = flat[s.offset : s.offset + s.param.numel()]
                 piece.copy_(s.param.grad.reshape(-1)) if s.used else piece.zero_()
             flat.mul_(scale)
-            self.comm_bytes["all_reduce"] += flat.numel() * flat.element_size()
             bucket.buffer = flat
             bucket.work = dist.all_reduce(flat, group=self._average_group, async_op=True)
             return
@@ -265,7 +262,6 @@ class ZeroDataParallel:
                 s.param.grad = None  # the whole point of stage 2
         send.mul_(scale)
         out = torch.empty(bucket.width, dtype=dtype, device=device)
-        self.comm_bytes["reduce_scatter"] += send.numel() * send.element_size()
         bucket.buffer = out
         bucket.work = dist.reduce_scatter_single(out, send.view(-1), group=self._shard_group, async_op=True)
 
@@ -360,7 +356,6 @@ class ZeroDataParallel:
                 if s.master is not None:
                     mine[s.offset : s.offset + s.length] = s.master._local_tensor
             full = torch.empty(self._shard_size * bucket.width, dtype=dtype, device=mine.device)
-            self.comm_bytes["all_gather"] += full.numel() * full.element_size()
             pending.append((bucket, full, dist.all_gather_single(full, mine, group=self._shard_group, async_op=True)))
         for bucket, full, work in pending:
             work.wait()

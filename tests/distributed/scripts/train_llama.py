@@ -94,12 +94,10 @@ losses /= strategy.mesh.data_size
 state = full_model_state(model, sharded=strategy.zero_stage == 3)
 per_rank = [None] * dist.get_world_size()
 dist.all_gather_object(per_rank, {**measure.bytes, "activations": measure.activations})
-comm = [None] * dist.get_world_size()
-dist.all_gather_object(comm, strategy.comm_bytes)
 if dist.get_rank() == 0:
     out = Path(args.out)
     torch.save({k: v.detach().clone() for k, v in state.items()}, out / "params.pt")
     layout = {**strategy.layout.sizes(), "zero": int(strategy.zero_stage)}
     (out / "result.json").write_text(
-        json.dumps({"losses": losses.tolist(), "model_state_bytes": per_rank, "comm_bytes": comm, "layout": layout})
+        json.dumps({"losses": losses.tolist(), "model_state_bytes": per_rank, "layout": layout})
     )
