@@ -190,7 +190,9 @@ class FiveDStrategy(ParallelStrategy):
             self._mesh = ParallelMesh(self._layout, self.root_device.type)
         # Gloo aborts the process if its groups are still alive during interpreter shutdown,
         # which would turn every finished run into a crash; a later Trainer may still reuse it.
-        atexit.register(_destroy_process_group)
+        if not _EXIT.registered:
+            atexit.register(_destroy_process_group)
+            _EXIT.registered = True
         rank_zero_info(f"[lightning_5d] layout: {self._layout.describe()}, zero={int(self.config.zero)}")
 
     def set_world_ranks(self) -> None:
@@ -362,7 +364,8 @@ class FiveDStrategy(ParallelStrategy):
 
 
 class _ExitState:
-    failed = False
+    registered = False
+    failed = False  # a run failed: peers may never reach the exit barrier
 
 
 _EXIT = _ExitState()
