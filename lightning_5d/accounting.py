@@ -16,15 +16,20 @@ from torch import nn
 
 @dataclass(frozen=True)
 class ModelStateBytes:
-    params: int
-    grads: int
-    optimizer: int
+    """Bytes of model state on one rank: measured here (ints) or predicted by the planner."""
+
+    params: float
+    grads: float
+    optimizer: float
 
     @property
-    def total(self) -> int:
+    def total(self) -> float:
         return self.params + self.grads + self.optimizer
 
-    def as_dict(self) -> dict[str, int]:
+    def __add__(self, other: "ModelStateBytes") -> "ModelStateBytes":
+        return ModelStateBytes(self.params + other.params, self.grads + other.grads, self.optimizer + other.optimizer)
+
+    def as_dict(self) -> dict[str, float]:
         return {**asdict(self), "total": self.total}
 
 

@@ -69,6 +69,8 @@ def run(cfg: Mapping[str, Any], run_dir: str | Path) -> Optional[dict]:
         plugins.append(TorchElasticEnvironment())
     # Sequences come from an in-memory tensor; worker processes would only add startup time.
     warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
+    # Lightning 2.6's own use of a deprecated torch pytree API, printed once per rank.
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
 
     trainer = L.Trainer(
         devices=devices,

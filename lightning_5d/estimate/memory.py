@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lightning_5d.accounting import ModelStateBytes
 from lightning_5d.config import ActivationCheckpointing, ZeroStage
 
 from .params import ParamCounts, RankParams, Stage, count_params, kv_heads_per_rank, rank_params
@@ -37,22 +38,6 @@ STATE_BYTES: dict[Precision, tuple[int, int, int]] = {
 ACTIVATION_BYTES: dict[Precision, int] = {Precision.BF16: 2, Precision.FP32: 4, Precision.FP8: 2}
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket; two in flight (one reducing, one filling)
-
-
-@dataclass(frozen=True)
-class ModelStateBytes:
-    params: float
-    grads: float
-    optimizer: float
-
-    @property
-    def total(self) -> float:
-        return self.params + self.grads + self.optimizer
-
-    def __add__(self, other: ModelStateBytes) -> ModelStateBytes:
-        return ModelStateBytes(
-            self.params + other.params, self.grads + other.grads, self.optimizer + other.optimizer
-        )
 
 
 def bytes_per_param(precision: Precision, fp32_grad_accumulation: bool = False) -> tuple[int, int, int]:
