@@ -69,14 +69,15 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-def torchrun_command(resolved: Path, nproc: int, master_port: Optional[int] = None) -> list[str]:
+def torchrun_command(target: list[str], nproc: int, master_port: Optional[int] = None) -> list[str]:
+    """``target``: what each rank runs, e.g. ``["-m", "lightning_5d.worker", cfg]`` or ``[script, *args]``."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}"]
     cmd += ["--max-restarts=0"]
     if master_port:
         cmd += ["--master-addr=127.0.0.1", f"--master-port={master_port}"]
     else:
         cmd += ["--standalone"]  # rendezvous on localhost with a free port
-    return cmd + ["-m", "lightning_5d.worker", str(resolved)]
+    return cmd + target
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -115,6 +116,46 @@ def _stop(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
             continue
 
 
+def run_ranks(
+    target: list[str],
+    nproc: int,
+    sinks: list[TextIO],
+    timeout_s: Optional[float] = None,
+    master_port: Optional[int] = None,
+    env: Optional[dict[str, str]] = None,
+) -> Optional[int]:
+    """Run ``nproc`` ranks of ``target`` under torchrun, copying their output to ``sinks``.
+
+    Returns torchrun's exit code, or None if they ran past ``timeout_s`` (then the whole
+    process group has been stopped).
+    """
+    proc = subprocess.Popen(
+        torchrun_command(target, nproc, master_port),
+        env={**worker_env(), **(env or {})},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        bufsize=1,
+        start_new_session=True,  # its own process group: stopped as one on timeout
+        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+    )
+    pump = threading.Thread(target=_pump, args=(proc.stdout, sinks), daemon=True)
+    pump.start()
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _stop(proc)
+        pump.join(timeout=5)
+        return None
+    except BaseException:  # KeyboardInterrupt, SystemExit: take the workers down too
+        _stop(proc)
+        raise
+    pump.join(timeout=30)
+    return rc
+
+
 def torchrun(
     resolved: Path,
     nproc: int,
@@ -126,38 +167,16 @@ def torchrun(
 
     Raises :class:`WorkersFailed` if they run past ``timeout_s`` (they are stopped first).
     """
-    cmd = torchrun_command(resolved, nproc, master_port)
+    target = ["-m", "lightning_5d.worker", str(resolved)]
     log = open(log_file, "a", encoding="utf-8") if log_file else None
     try:
         if log:
-            log.write("$ " + " ".join(cmd) + "\n")
+            log.write("$ " + " ".join(torchrun_command(target, nproc, master_port)) + "\n")
             log.flush()
-        proc = subprocess.Popen(
-            cmd,
-            env=worker_env(),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            errors="replace",
-            bufsize=1,
-            start_new_session=True,  # its own process group: stopped as one on timeout
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
-        )
-        pump = threading.Thread(target=_pump, args=(proc.stdout, [sys.stdout] + ([log] if log else [])))
-        pump.daemon = True
-        pump.start()
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _stop(proc)
-            pump.join(timeout=5)
-            raise WorkersFailed(f"workers ran past launcher.timeout_s={timeout_s}s and were stopped") from None
-        except BaseException:  # KeyboardInterrupt, SystemExit: take the workers down too
-            _stop(proc)
-            raise
-        pump.join(timeout=30)
-        return rc
+        rc = run_ranks(target, nproc, [sys.stdout] + ([log] if log else []), timeout_s, master_port)
     finally:
         if log:
             log.close()
+    if rc is None:
+        raise WorkersFailed(f"workers ran past launcher.timeout_s={timeout_s}s and were stopped")
+    return rc

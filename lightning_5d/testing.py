@@ -1,19 +1,18 @@
 """Start a script on several local processes (torch.distributed.run, gloo) with a hard timeout.
 
-Used by the multi-process tests and the benchmarks. A hang becomes a failed run: on
-timeout the whole process group of the launcher is killed.
+Used by the multi-process tests and the benchmarks; the launching itself is
+:func:`lightning_5d.launch.run_ranks`, as for ``l5d train``. A hang becomes a failed run:
+on timeout the whole process group of the launcher is stopped.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
+import io
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
+
+from lightning_5d.launch import run_ranks
 
 
 @dataclass
@@ -30,12 +29,6 @@ class DistributedRun:
         return self
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_distributed(
     script: str | Path,
     nproc: int,
@@ -43,20 +36,12 @@ def run_distributed(
     timeout: float = 240.0,
     env: dict[str, str] | None = None,
 ) -> DistributedRun:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", "1", "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        str(script), *args,
-    ]  # fmt: skip
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, start_new_session=True
+    output = io.StringIO()
+    rc = run_ranks(
+        [str(script), *args],
+        nproc,
+        [output],
+        timeout_s=timeout,
+        env={"PYTHONWARNINGS": "ignore", **(env or {})},
     )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-        return DistributedRun(proc.returncode, out, timed_out=False)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        return DistributedRun(-9, out or "", timed_out=True)
+    return DistributedRun(-9 if rc is None else rc, output.getvalue(), timed_out=rc is None)
