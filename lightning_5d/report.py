@@ -150,9 +150,11 @@ class RunReport(Callback):
             print(f"[l5d] step {self._step}{total}  loss {loss:.4f}  tokens/s {rate}", flush=True)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        # Model state peaks here (gradients complete, optimizer states allocated): this is
-        # the moment the ZeRO accounting describes.
-        self._state = model_state_bytes(pl_module, trainer.optimizers)
+        # Model state peaks here (gradients complete, optimizer states allocated): the moment
+        # the ZeRO accounting describes. Optimizer states exist from the second step on and
+        # the sizes do not change after it, so later steps need no recount.
+        if trainer.global_step <= 1:
+            self._state = model_state_bytes(pl_module, trainer.optimizers)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         wall_s = time.perf_counter() - self._t_start
@@ -203,7 +205,7 @@ class RunReport(Callback):
     def _memory_table(rows: list[dict[str, int]]) -> str:
         accel = any(r["peak_accel"] for r in rows)
         head = ["rank", "params", "grads", "optimizer", "model_state", "peak_rss"] + (["peak_accel"] if accel else [])
-        lines = ["[l5d] memory per rank (MiB): model state held before the last optimizer step; process peak RSS"]
+        lines = ["[l5d] memory per rank (MiB): model state held before an optimizer step; process peak RSS"]
         lines.append("".join(f"{h:>12}" for h in head))
         for r in rows:
             cells = [f"{r['rank']:>12}"] + [f"{r[k] / MIB:>12.2f}" for k in head[1:]]
