@@ -24,15 +24,19 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 only, on CPU
+# Every rank gets full-over-data tensors: tensor parallelism still has to gather its shards.
+_FULL_EVERY_RANK = StateDictOptions(full_state_dict=True, cpu_offload=False)
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be read; the message names the file and what to do."""
 
 
-def full_model_state(module: nn.Module, sharded: bool) -> dict[str, Any]:
-    return get_model_state_dict(module, options=_FULL) if sharded else module.state_dict()
+def full_model_state(module: nn.Module, sharded: bool, every_rank: bool = False) -> dict[str, Any]:
+    if not sharded:
+        return module.state_dict()
+    return get_model_state_dict(module, options=_FULL_EVERY_RANK if every_rank else _FULL)
 
 
 def load_full_model_state(module: nn.Module, state: Mapping[str, Any], sharded: bool, strict: bool = True) -> None:
@@ -42,8 +46,8 @@ def load_full_model_state(module: nn.Module, state: Mapping[str, Any], sharded: 
         module.load_state_dict(state, strict=strict)
 
 
-def dcp_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    return get_optimizer_state_dict(module, optimizer, options=_FULL)
+def dcp_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, every_rank: bool = False) -> dict[str, Any]:
+    return get_optimizer_state_dict(module, optimizer, options=_FULL_EVERY_RANK if every_rank else _FULL)
 
 
 def load_dcp_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:

@@ -22,7 +22,7 @@ MESH_DIMS = frozenset(DEFAULT_RANK_ORDER)
 
 # Dimensions whose implementation has landed. A size > 1 for any other raises
 # DimensionNotAvailableError instead of silently training without it.
-IMPLEMENTED_DIMS = frozenset({"dp_replicate", "dp_shard"})
+IMPLEMENTED_DIMS = frozenset({"dp_replicate", "dp_shard", "tp"})
 
 
 class LayoutError(ValueError):
@@ -93,6 +93,10 @@ class ParallelConfig:
     ep: SizeSpec = 1
     zero: ZeroStage = ZeroStage.OPTIMIZER
     activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.NONE
+    # Shard norms, dropout and residuals along the sequence between the TP regions.
+    sequence_parallel: bool = False
+    # Module-path patterns -> roles, for models discovery cannot map (see docs/model_plans.md).
+    model_plan: dict[str, str] | None = None
     rank_order: tuple[str, ...] = DEFAULT_RANK_ORDER
     # 25 MB matches DDP's default: large enough to amortize launch cost, small enough to overlap.
     bucket_size_mb: float = 25.0
@@ -112,6 +116,12 @@ class ParallelConfig:
         self.pipeline.schedule = _coerce_enum(PipelineSchedule, self.pipeline.schedule, "pipeline.schedule")
         self.context.mode = _coerce_enum(ContextParallelMode, self.context.mode, "context.mode")
         self.rank_order = tuple(self.rank_order)
+        if not isinstance(self.sequence_parallel, bool):
+            raise LayoutError(f"sequence_parallel={self.sequence_parallel!r} must be true or false.")
+        if self.model_plan is not None:
+            if not isinstance(self.model_plan, Mapping):
+                raise LayoutError(f"model_plan must map module-path patterns to roles, got {self.model_plan!r}.")
+            self.model_plan = {str(k): str(v) for k, v in self.model_plan.items()}
         _check_rank_order(self.rank_order)
         for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep"):
             setattr(self, name, _check_size(name, getattr(self, name)))

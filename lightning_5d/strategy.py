@@ -35,6 +35,10 @@ from lightning_5d.mesh import ParallelMesh
 from lightning_5d.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_5d.parallel.data import ZeroDataParallel, broadcast_module
 from lightning_5d.parallel.fsdp import apply_fsdp, set_gradient_sync
+from lightning_5d.parallel.grad_norm import clip_grad_norm_
+from lightning_5d.parallel.tensor import TensorParallel
+from lightning_5d.parallel.vocab import loss_parallel_region
+from lightning_5d.plan import describe, discover
 from lightning_5d.plan.blocks import find_blocks, require_blocks
 
 
@@ -59,6 +63,8 @@ class FiveDStrategy(ParallelStrategy):
         ep: int | str | None = None,
         zero: int | ZeroStage | None = None,
         activation_checkpointing: str | ActivationCheckpointing = ActivationCheckpointing.NONE,
+        sequence_parallel: bool = False,
+        model_plan: Mapping[str, str] | None = None,
         rank_order: tuple[str, ...] | None = None,
         bucket_size_mb: float = 25.0,
         pipeline: Mapping[str, Any] | None = None,
@@ -80,6 +86,8 @@ class FiveDStrategy(ParallelStrategy):
             config = ParallelConfig(
                 **given,
                 activation_checkpointing=activation_checkpointing,
+                sequence_parallel=sequence_parallel,
+                model_plan=dict(model_plan) if model_plan is not None else None,
                 bucket_size_mb=bucket_size_mb,
                 **({"rank_order": rank_order} if rank_order is not None else {}),
                 **sections,
@@ -92,6 +100,8 @@ class FiveDStrategy(ParallelStrategy):
         self._mesh: ParallelMesh | None = None
         self._zero: ZeroDataParallel | None = None
         self._fsdp_units: list = []
+        self._tp: TensorParallel | None = None
+        self._in_backward_sync_block = False
         self.num_nodes = 1
 
     @classmethod
@@ -215,6 +225,9 @@ class FiveDStrategy(ParallelStrategy):
                 for optimizer in self.optimizers:
                     self._zero.shard_optimizer(optimizer)
         self.setup_precision_plugin()
+        if self._tp is not None:
+            # Lightning's clipping sees only this rank's pieces; ours takes the global norm.
+            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
@@ -226,6 +239,12 @@ class FiveDStrategy(ParallelStrategy):
         if self._fsdp_units:
             return
         broadcast_module(module, self.mesh)
+        if self.mesh.size("tp") > 1:
+            plan = discover(module, self.config.model_plan)
+            rank_zero_info(f"[lightning_5d] model plan:\n{describe(plan)}")
+            self._tp = TensorParallel(module, plan, self.mesh["tp"], self.config.sequence_parallel)
+            if self.config.sequence_parallel and self.config.zero != ZeroStage.PARAMETERS:
+                self._tp.register_sequence_parallel_grad_hooks(module)
         if self.config.activation_checkpointing != ActivationCheckpointing.NONE:
             _, blocks = require_blocks(module, f"activation_checkpointing={self.config.activation_checkpointing.value}")
             apply_activation_checkpointing(blocks, self.config.activation_checkpointing)
@@ -253,12 +272,14 @@ class FiveDStrategy(ParallelStrategy):
         if self._zero is not None:
             self._zero.require_sync = False
         set_gradient_sync(self._fsdp_units, False)
+        self._in_backward_sync_block = True
         try:
             yield
         finally:
             if self._zero is not None:
                 self._zero.require_sync = True
             set_gradient_sync(self._fsdp_units, True)
+            self._in_backward_sync_block = False
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
@@ -269,6 +290,46 @@ class FiveDStrategy(ParallelStrategy):
     def post_backward(self, closure_loss: Tensor) -> None:
         if self._zero is not None:
             self._zero.finish_gradient_sync()
+        if self._tp is not None and self._fsdp_units and self._tp.sequence_parallel:
+            if not self._in_backward_sync_block:  # FSDP2 reduced this step's gradients
+                self._tp.sync_sequence_parallel_grads(self.lightning_module)
+
+    # ------------------------------------------------------------------ steps
+    @contextmanager
+    def _step_region(self) -> Generator[None, None, None]:
+        if self._tp is None:
+            yield
+        else:
+            with loss_parallel_region():  # the user's F.cross_entropy on vocab-sharded logits
+                yield
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_region():
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_region():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_region():
+            return super().test_step(*args, **kwargs)
+
+    def _clip_grad_by_norm(self, optimizer, clip_val: int | float) -> None:
+        names = self._parameter_names()
+        assert self._tp is not None
+        tp = self._tp
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        clip_grad_norm_(params, float(clip_val), lambda p: tp.is_sharded(names.get(id(p), "")), tp.group)
+
+    def _parameter_names(self) -> dict[int, str]:
+        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        if self._zero is not None:
+            names.update(self._zero.master_names())
+        return names
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -306,14 +367,18 @@ class FiveDStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return ckpt.full_model_state(self.lightning_module, sharded=bool(self._fsdp_units))
+        tp = self._tp is not None
+        state = ckpt.full_model_state(self.lightning_module, sharded=bool(self._fsdp_units), every_rank=tp)
+        return self._tp.full_state(state) if self._tp is not None else state
 
     @override
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         if self._zero is None:  # FSDP2, or no data-parallel peers: torch's own full format
-            return ckpt.dcp_optimizer_state(self.lightning_module, optimizer)
-        return self._zero.full_optimizer_state(optimizer)
+            state = ckpt.dcp_optimizer_state(self.lightning_module, optimizer, every_rank=self._tp is not None)
+        else:
+            state = self._zero.full_optimizer_state(optimizer)
+        return self._tp.full_optimizer_state(state) if self._tp is not None else state
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
@@ -335,7 +400,10 @@ class FiveDStrategy(ParallelStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        ckpt.load_full_model_state(self.lightning_module, checkpoint["state_dict"], bool(self._fsdp_units), strict)
+        state = checkpoint["state_dict"]
+        if self._tp is not None:
+            state = self._tp.local_state(state)
+        ckpt.load_full_model_state(self.lightning_module, state, bool(self._fsdp_units), strict)
         if self._zero is not None:
             self._zero.refresh_masters()
 
@@ -348,6 +416,8 @@ class FiveDStrategy(ParallelStrategy):
                 f"{len(self.optimizers)} optimizers."
             )
         for optimizer, state in zip(self.optimizers, states):
+            if self._tp is not None:
+                state = self._tp.local_optimizer_state(state)
             if self._zero is None:
                 ckpt.load_dcp_optimizer_state(self.lightning_module, optimizer, state)
             else:

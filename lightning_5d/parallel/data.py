@@ -410,6 +410,10 @@ class ZeroDataParallel:
         local = value.reshape(-1)[s.start : s.start + s.length].clone()
         return self._as_dtensor(local, s)
 
+    def master_names(self) -> dict[int, str]:
+        """id of each master slice -> the name of the module parameter it slices."""
+        return {id(s.master): self._names[id(s.param)] for s in self._shards if s.master is not None}
+
     def _param_of(self, p: torch.Tensor) -> torch.Tensor:
         """The module parameter behind an optimizer parameter (a master slice or itself)."""
         s = self._shard_of.get(id(p))
@@ -467,9 +471,9 @@ def _check_unchanged(optimizer: torch.optim.Optimizer, layout: list[int]) -> Non
 
 @torch.no_grad()
 def broadcast_module(module: nn.Module, mesh: ParallelMesh) -> None:
-    """Make every data rank start from the first data rank's parameters and buffers."""
-    group = mesh.group("dp_cp")
-    if mesh.size("dp_cp") == 1:
+    """Make every rank start from rank 0's full parameters and buffers, before any dimension
+    cuts them (TP shards and pipeline stages are taken from the same full model)."""
+    if mesh.layout.world_size == 1:
         return
     for t in list(module.parameters()) + list(module.buffers()):
-        dist.broadcast(t.data, group=group, group_src=0)
+        dist.broadcast(t.data, src=0)

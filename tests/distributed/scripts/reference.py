@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import default_collate
 
-from tests_support import BATCH_SIZE, TINY, RecordingLM, make_datamodule
+from tests_support import BATCH_SIZE, MODELS, RecordingLM, make_datamodule
 
 
 def reference_run(steps: int, data_ranks: int, accumulate: int = 1, clip: float | None = None,
-                  dtype: torch.dtype = torch.float32, num_samples: int | None = None):  # fmt: skip
+                  dtype: torch.dtype = torch.float32, num_samples: int | None = None, model: str = "tiny"):  # fmt: skip
     L.seed_everything(0, verbose=False)
-    model = RecordingLM(config=TINY).to(dtype)
+    model = RecordingLM(config=MODELS[model]).to(dtype)
     dm = make_datamodule(num_samples)
     dm.setup("fit")
     dataset = dm.train_dataset

@@ -1,7 +1,7 @@
 """Shared by the multi-process scripts and the single-process references of the tests."""
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -10,6 +10,11 @@ from lightning_5d.models import LlamaConfig, LlamaLM, TextDataModule
 
 # Small enough for 4 processes on 2 cores, big enough to have several blocks and buckets.
 TINY = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
+MODELS = {
+    "tiny": TINY,
+    "tiny_kv4": replace(TINY, num_kv_heads=4),  # tp=4 needs 4 kv heads
+    "tiny_tied": replace(TINY, tie_embeddings=True),
+}
 SEQ_LEN = 32
 BATCH_SIZE = 2  # per data rank
 NUM_SAMPLES = 256
@@ -37,12 +42,14 @@ SCRIPTS = Path(__file__).parent
 
 
 def run_layout(out: Path, nproc: int, zero: int, dp_replicate: int = 1, accumulate: int = 1, clip=None,
-               steps: int = 5, precision: str = "32-true", extra=()):  # fmt: skip
+               steps: int = 5, precision: str = "32-true", extra=(), tp: int = 1, sp: bool = False,
+               model: str = "tiny"):  # fmt: skip
     """Train TINY under FiveDStrategy on ``nproc`` processes; returns (result.json, final params)."""
     from lightning_5d.testing import run_distributed
 
     args = ["--zero", str(zero), "--dp-replicate", str(dp_replicate), "--accumulate", str(accumulate),
-            "--steps", str(steps), "--precision", precision, "--out", str(out), *extra]  # fmt: skip
+            "--steps", str(steps), "--precision", precision, "--out", str(out), "--tp", str(tp),
+            "--model", model, *(["--sp"] if sp else []), *extra]  # fmt: skip
     if clip is not None:
         args += ["--clip", str(clip)]
     run_distributed(SCRIPTS / "train_llama.py", nproc, args, timeout=240).check()

@@ -16,12 +16,14 @@ import torch.distributed as dist
 
 import lightning_5d
 from lightning_5d.accounting import SavedActivationMeter, model_state_bytes
-from lightning_5d.checkpoint import full_model_state
-from tests_support import TINY, RecordingLM, make_datamodule
+from tests_support import MODELS, RecordingLM, make_datamodule
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--zero", default="1", help="0-3, or 'auto': Trainer(strategy='5d'), the planner's layout")
 parser.add_argument("--dp-replicate", type=int, default=1)
+parser.add_argument("--tp", type=int, default=1)
+parser.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
+parser.add_argument("--model", default="tiny", choices=sorted(MODELS))
 parser.add_argument("--accumulate", type=int, default=1)
 parser.add_argument("--clip", type=float, default=None)
 parser.add_argument("--steps", type=int, default=5)
@@ -58,12 +60,17 @@ class MeasureModelState(L.Callback):
 
 
 L.seed_everything(0)
-model = RecordingLM(config=TINY)
+model = RecordingLM(config=MODELS[args.model])
 if args.zero == "auto":
     strategy = "5d"
 else:
     strategy = lightning_5d.FiveDStrategy(
-        dp_replicate=args.dp_replicate, zero=int(args.zero), activation_checkpointing=args.ac, bucket_size_mb=0.05
+        dp_replicate=args.dp_replicate,
+        tp=args.tp,
+        sequence_parallel=args.sp,
+        zero=int(args.zero),
+        activation_checkpointing=args.ac,
+        bucket_size_mb=0.05,
     )
 measure = MeasureModelState()
 callbacks = [measure]
@@ -91,13 +98,13 @@ strategy = trainer.strategy
 losses = torch.stack(model.losses)
 dist.all_reduce(losses, group=strategy.mesh.group("dp"))
 losses /= strategy.mesh.data_size
-state = full_model_state(model, sharded=strategy.zero_stage == 3)
+state = strategy.lightning_module_state_dict()  # full tensors, whatever the layout
 per_rank = [None] * dist.get_world_size()
 dist.all_gather_object(per_rank, {**measure.bytes, "activations": measure.activations})
 if dist.get_rank() == 0:
     out = Path(args.out)
     torch.save({k: v.detach().clone() for k, v in state.items()}, out / "params.pt")
-    layout = {**strategy.layout.sizes(), "zero": int(strategy.zero_stage)}
+    layout = {**strategy.layout.sizes(), "zero": int(strategy.zero_stage), "sp": strategy.config.sequence_parallel}
     (out / "result.json").write_text(
         json.dumps({"losses": losses.tolist(), "model_state_bytes": per_rank, "layout": layout})
     )

@@ -1,0 +1,70 @@
+"""One global gradient norm over every way a parameter can be split.
+
+A gradient on this rank is one of: the whole gradient (replicated), a slice over the data
+ranks (a ``DTensor``: ZeRO-1/2 master slices, FSDP2 shards), a TP shard (a plain tensor
+holding 1/tp of the parameter), or both. ``DTensor`` norms already sum over the data
+ranks; TP shards add their p-th powers over the TP group, and replicated gradients are
+counted once. The result is the norm one process would compute on the full model.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+
+def _norm_of(grads: list[Tensor], norm_type: float) -> Tensor:
+    """The norm over ``grads`` (dense tensors and/or DTensors), as a plain scalar."""
+    parts = []
+    for wanted in (DTensor, Tensor):
+        group = [g for g in grads if isinstance(g, DTensor) == (wanted is DTensor)]
+        if group:
+            n = torch.nn.utils.get_total_norm(group, norm_type)
+            parts.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    if not parts:
+        return torch.zeros(())
+    stacked = torch.stack([p.to(parts[0].device) for p in parts])
+    return stacked.max() if math.isinf(norm_type) else stacked.norm(norm_type)
+
+
+def total_grad_norm(
+    parameters: Iterable[Tensor],
+    is_tp_sharded: Callable[[Tensor], bool],
+    tp_group: dist.ProcessGroup | None,
+    norm_type: float = 2.0,
+) -> Tensor:
+    params = [p for p in parameters if p.grad is not None]
+    sharded = [p.grad for p in params if is_tp_sharded(p)]
+    replicated = [p.grad for p in params if not is_tp_sharded(p)]
+    tp_part = _norm_of(sharded, norm_type)
+    rep_part = _norm_of(replicated, norm_type).to(tp_part.device)
+    if math.isinf(norm_type):
+        if tp_group is not None:
+            dist.all_reduce(tp_part, op=dist.ReduceOp.MAX, group=tp_group)
+        return torch.maximum(tp_part, rep_part)
+    powered = tp_part.double() ** norm_type
+    if tp_group is not None:
+        dist.all_reduce(powered, group=tp_group)
+    return ((powered + rep_part.double() ** norm_type) ** (1.0 / norm_type)).to(tp_part.dtype)
+
+
+def clip_grad_norm_(
+    parameters: Iterable[Tensor],
+    max_norm: float,
+    is_tp_sharded: Callable[[Tensor], bool],
+    tp_group: dist.ProcessGroup | None,
+    norm_type: float = 2.0,
+) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` with the global norm of :func:`total_grad_norm`."""
+    params = [p for p in parameters if p.grad is not None]
+    total = total_grad_norm(params, is_tp_sharded, tp_group, norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+        g.mul_(coef.to(g.device, g.dtype))
+    return total

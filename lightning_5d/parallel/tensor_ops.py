@@ -1,0 +1,162 @@
+"""The communication of tensor and sequence parallelism, as autograd functions.
+
+Names follow the Megatron paper and the Ultra-Scale Playbook. Each forward collective has
+its conjugate in backward:
+
+    f   copy into the TP region        fwd: identity          bwd: all-reduce
+    g   reduce out of the TP region    fwd: all-reduce        bwd: identity
+    f*  gather into the TP region (SP) fwd: all-gather (seq)  bwd: reduce-scatter (seq)
+    g*  reduce-scatter out of it (SP)  fwd: reduce-scatter    bwd: all-gather (seq)
+
+and, at the two ends of the sequence-parallel stretch of the model,
+
+    scatter  enter SP from a replicated tensor   fwd: keep own seq chunk   bwd: all-gather
+    gather   leave SP to a replicated tensor     fwd: all-gather           bwd: keep own chunk
+
+Every function takes the TP process group; the sequence dimension is ``seq_dim`` (1 for
+the batch-first ``[batch, seq, hidden]`` activations of the models we map).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def _size(group: dist.ProcessGroup) -> int:
+    return dist.get_world_size(group)
+
+
+def _all_reduce(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _check_divisible(x: Tensor, seq_dim: int, n: int) -> None:
+    if x.size(seq_dim) % n:
+        raise ValueError(
+            f"sequence parallelism splits the sequence over tp={n} ranks, but this batch has sequence "
+            f"length {x.size(seq_dim)} (tensor shape {tuple(x.shape)}); pad or crop sequences to a "
+            f"multiple of {n}, or set sequence_parallel=false."
+        )
+
+
+def _all_gather_seq(x: Tensor, seq_dim: int, group: dist.ProcessGroup) -> Tensor:
+    n = _size(group)
+    x = x.contiguous()
+    # Collectives concatenate along dim 0: gather [n * d0, ...], then move rank r's chunk
+    # to positions r*s/n... of the sequence dimension.
+    out = torch.empty((n * x.size(0), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_single(out, x, group=group)
+    return torch.cat(out.chunk(n), dim=seq_dim)
+
+
+def _reduce_scatter_seq(x: Tensor, seq_dim: int, group: dist.ProcessGroup) -> Tensor:
+    n = _size(group)
+    _check_divisible(x, seq_dim, n)
+    chunks = x.chunk(n, dim=seq_dim)
+    send = torch.cat(chunks, dim=0).contiguous()  # rank r's chunk at rows r*d0...
+    out = torch.empty(chunks[0].shape, dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_single(out, send, group=group)
+    return out
+
+
+def _own_chunk(x: Tensor, seq_dim: int, group: dist.ProcessGroup) -> Tensor:
+    n = _size(group)
+    _check_divisible(x, seq_dim, n)
+    return x.chunk(n, dim=seq_dim)[dist.get_rank(group)].contiguous()
+
+
+class _CopyToTP(torch.autograd.Function):  # f
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):  # g
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        return _all_reduce(x.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+class _GatherIntoTP(torch.autograd.Function):  # f*
+    @staticmethod
+    def forward(ctx, x: Tensor, seq_dim: int, group: dist.ProcessGroup) -> Tensor:
+        ctx.seq_dim, ctx.group = seq_dim, group
+        return _all_gather_seq(x, seq_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _reduce_scatter_seq(grad, ctx.seq_dim, ctx.group), None, None
+
+
+class _ReduceScatterFromTP(torch.autograd.Function):  # g*
+    @staticmethod
+    def forward(ctx, x: Tensor, seq_dim: int, group: dist.ProcessGroup) -> Tensor:
+        ctx.seq_dim, ctx.group = seq_dim, group
+        return _reduce_scatter_seq(x, seq_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _all_gather_seq(grad, ctx.seq_dim, ctx.group), None, None
+
+
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, seq_dim: int, group: dist.ProcessGroup) -> Tensor:
+        ctx.seq_dim, ctx.group = seq_dim, group
+        return _own_chunk(x, seq_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _all_gather_seq(grad, ctx.seq_dim, ctx.group), None, None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, seq_dim: int, group: dist.ProcessGroup) -> Tensor:
+        ctx.seq_dim, ctx.group = seq_dim, group
+        return _all_gather_seq(x, seq_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _own_chunk(grad, ctx.seq_dim, ctx.group), None, None
+
+
+def copy_to_tp(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """f: the input of column-parallel linears (replicated in, each rank uses all of it)."""
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """g: the output of a row-parallel linear (partial sums over the ranks' input slices)."""
+    return _ReduceFromTP.apply(x, group)
+
+
+def gather_into_tp(x: Tensor, group: dist.ProcessGroup, seq_dim: int = 1) -> Tensor:
+    """f*: sequence-sharded activations in, full sequence to the column-parallel linears."""
+    return _GatherIntoTP.apply(x, seq_dim, group)
+
+
+def reduce_scatter_from_tp(x: Tensor, group: dist.ProcessGroup, seq_dim: int = 1) -> Tensor:
+    """g*: partial sums of a row-parallel linear out, summed and sharded along the sequence."""
+    return _ReduceScatterFromTP.apply(x, seq_dim, group)
+
+
+def scatter_to_sequence_parallel(x: Tensor, group: dist.ProcessGroup, seq_dim: int = 1) -> Tensor:
+    return _ScatterToSP.apply(x, seq_dim, group)
+
+
+def gather_from_sequence_parallel(x: Tensor, group: dist.ProcessGroup, seq_dim: int = 1) -> Tensor:
+    return _GatherFromSP.apply(x, seq_dim, group)

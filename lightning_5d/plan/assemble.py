@@ -1,0 +1,293 @@
+"""Turn merged hints into a checked :class:`ModelPlan`.
+
+Everything that follows from the modules themselves is computed here, whatever source
+named them: layer kinds, fused segment sizes, head_dim, the head attributes, the
+attention kernel, vocabulary and hidden sizes. Missing or inconsistent parts raise a
+:class:`ModelMappingError` that names the part and shows the config that would fix it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NoReturn
+
+from torch import nn
+
+from lightning_5d.plan import heads, kernel, kinds, paths
+from lightning_5d.plan.blocks import ModelMappingError
+from lightning_5d.plan.hints import BlockHints, TopHints
+from lightning_5d.plan.model_plan import (
+    AttentionPlan,
+    BlockPlan,
+    MLPPlan,
+    ModelPlan,
+    MoEPlan,
+    PlanSource,
+    Projection,
+)
+from lightning_5d.plan.snippet import model_plan_snippet
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    segments: tuple[int, ...] = ()  # for a fused qkv
+    note: str = ""
+
+
+class _Unmappable(Exception):
+    """A part is missing or wrong; turned into a ModelMappingError with the snippet."""
+
+
+def build(
+    root: nn.Module,
+    top: TopHints,
+    blocks: Sequence[BlockHints],
+    source: PlanSource,
+    notes: Sequence[str],
+) -> ModelPlan:
+    missing = _missing_top(root, top)
+    if missing:
+        _fail(root, top, blocks[0] if blocks else None, "; ".join(missing))
+    embedding = root.get_submodule(top.embedding)
+    all_notes = list(notes)
+    block_plans = []
+    for index, hints in enumerate(blocks):
+        try:
+            block_plans.append(_block_plan(root, top, index, hints, all_notes))
+        except _Unmappable as problem:
+            _fail(root, top, hints, str(problem))
+    bare = [str(i) for i, b in enumerate(block_plans) if b.mlp is None and b.moe is None]
+    if bare:
+        all_notes.append(f"no MLP or MoE found in block(s) {', '.join(bare)}")
+    head = root.get_submodule(top.head) if top.head else None
+    if head is not None and kinds.out_features(head) != embedding.num_embeddings:
+        all_notes.append(
+            f"head {top.head} has {kinds.out_features(head)} outputs, the vocabulary {embedding.num_embeddings}"
+        )
+    return ModelPlan(
+        source=source,
+        embedding=top.embedding,
+        blocks=top.blocks,
+        block_plans=tuple(block_plans),
+        vocab_size=embedding.num_embeddings,
+        hidden_size=embedding.embedding_dim,
+        final_norm=top.final_norm,
+        head=top.head,
+        position_embedding=top.position_embedding,
+        tied_head=head is not None and head.weight is embedding.weight,
+        notes=tuple(dict.fromkeys(all_notes)),
+    )
+
+
+def _missing_top(root: nn.Module, top: TopHints) -> list[str]:
+    missing = []
+    if top.embedding is None:
+        missing.append(f"no token embedding found in {type(root).__name__} (an nn.Embedding outside the blocks)")
+    if top.blocks is None:
+        missing.append(
+            f"no transformer blocks found in {type(root).__name__} (an nn.ModuleList of "
+            f"identical blocks); its children: {_children(root)}"
+        )
+    return missing
+
+
+def _fail(root: nn.Module, top: TopHints, block: BlockHints | None, problem: str) -> NoReturn:
+    raise ModelMappingError(
+        f"Cannot map {type(root).__name__} for parallelism: {problem}.\n"
+        f"Name the parts in the strategy config, for example:\n\n"
+        f"{model_plan_snippet(top, block)}"
+    )
+
+
+def _children(module: nn.Module) -> str:
+    named = [f"{name} ({type(child).__name__})" for name, child in module.named_children()]
+    return ", ".join(named) or "none"
+
+
+# ---------------------------------------------------------------- one block
+
+
+def _block_plan(root: nn.Module, top: TopHints, index: int, hints: BlockHints, notes: list[str]) -> BlockPlan:
+    where = paths.join(top.blocks, str(index))
+    block = root.get_submodule(where)
+    moe = _moe_plan(block, where, hints, notes)
+    return BlockPlan(
+        attention=_attention_plan(block, where, hints, notes),
+        mlp=_mlp_plan(block, where, hints),
+        moe=moe,
+        norms=hints.norms,
+    )
+
+
+def _projection(block: nn.Module, path: str, segments: tuple[int, ...] = ()) -> Projection:
+    return Projection(path, kinds.projection_kind(block.get_submodule(path)), segments)
+
+
+def _attention_plan(block: nn.Module, where: str, hints: BlockHints, notes: list[str]) -> AttentionPlan:
+    separate = {n: getattr(hints, n) for n in ("q", "k", "v")}
+    if not hints.qkv and any(separate.values()) and not all(separate.values()):
+        have = ", ".join(f"{n}={p}" for n, p in separate.items() if p)
+        lack = ", ".join(n for n, p in separate.items() if not p)
+        inside = paths.common_parent([p for p in separate.values() if p])
+        raise _Unmappable(
+            f"the attention of block {where} has {have} but no {lack} projection "
+            f"(children of {paths.join(where, inside)}: "
+            f"{_children(block.get_submodule(inside))})"
+        )
+    if not (all(separate.values()) or hints.qkv):
+        raise _Unmappable(f"no attention projections found in block {where} (children: {_children(block)})")
+    column = [hints.qkv] if hints.qkv else [hints.q, hints.k, hints.v]
+    attention_path = hints.attention if hints.attention is not None else paths.common_parent(column)
+    if hints.o is None:
+        raise _Unmappable(
+            f"attention {paths.join(where, attention_path)} has no output projection "
+            f"(children: {_children(block.get_submodule(attention_path))})"
+        )
+    if hints.num_heads is None:
+        raise _Unmappable(
+            f"no head count for attention {paths.join(where, attention_path)}: neither the "
+            f"module nor a config declares num_heads / num_attention_heads / n_head"
+        )
+    layout = _head_layout(block, where, hints)
+    if layout.note:
+        notes.append(f"attention {attention_path}: {layout.note}")
+    _check_output_width(block, where, hints.o, layout)
+    attention = block.get_submodule(attention_path)
+    return AttentionPlan(
+        path=attention_path,
+        o=_projection(block, hints.o),
+        q=_projection(block, hints.q) if not hints.qkv else None,
+        k=_projection(block, hints.k) if not hints.qkv else None,
+        v=_projection(block, hints.v) if not hints.qkv else None,
+        qkv=_projection(block, hints.qkv, layout.segments) if hints.qkv else None,
+        num_heads=layout.num_heads,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        head_attributes=heads.head_attributes(attention, layout.num_heads, layout.num_kv_heads, layout.head_dim),
+        kernel=kernel.detect(attention),
+    )
+
+
+def _width(block: nn.Module, path: str) -> int:
+    return kinds.out_features(block.get_submodule(path))
+
+
+def _head_layout(block: nn.Module, where: str, hints: BlockHints) -> HeadLayout:
+    if hints.qkv:
+        return _fused_layout(_width(block, hints.qkv), where, hints)
+    return _separate_layout(
+        (_width(block, hints.q), _width(block, hints.k), _width(block, hints.v)),
+        where,
+        hints,
+    )
+
+
+def _divide(width: int, by: int, path: str, what: str, where: str) -> int:
+    if by <= 0 or width % by:
+        raise _Unmappable(
+            f"in block {where}, {path} has {width} output features, which do not split "
+            f"into {what}; give the right head counts as attention(heads=..., kv_heads=...)"
+        )
+    return width // by
+
+
+def _separate_layout(widths: tuple[int, int, int], where: str, hints: BlockHints) -> HeadLayout:
+    q_width, k_width, _ = widths
+    h = hints.num_heads
+    d = hints.head_dim or _divide(q_width, h, hints.q, f"{h} heads", where)
+    kv = hints.num_kv_heads or _divide(k_width, d, hints.k, f"heads of head_dim {d}", where)
+    expected = {hints.q: h * d, hints.k: kv * d, hints.v: kv * d}
+    for (path, want), got in zip(expected.items(), widths):
+        if want != got:
+            raise _Unmappable(
+                f"in block {where}, {path} has {got} output features but {h} heads, {kv} kv "
+                f"heads and head_dim {d} need {want}; give the right head counts as "
+                f"attention(heads=..., kv_heads=...)"
+            )
+    _check_groups(h, kv, where)
+    return HeadLayout(h, kv, d)
+
+
+def _fused_layout(width: int, where: str, hints: BlockHints) -> HeadLayout:
+    h, kv, d = hints.num_heads, hints.num_kv_heads, hints.head_dim
+    note = ""
+    if kv is None:
+        if d is None:
+            kv, note = h, "no kv head count declared; assumed equal to the head count"
+        else:
+            kv = (_divide(width, d, hints.qkv, f"heads of head_dim {d}", where) - h) // 2
+    if d is None:
+        d = _divide(width, h + 2 * kv, hints.qkv, f"{h} + 2x{kv} heads", where)
+    segments = (h * d, kv * d, kv * d)
+    if sum(segments) != width or kv <= 0:
+        raise _Unmappable(
+            f"in block {where}, fused {hints.qkv} has {width} output features but {h} heads, "
+            f"{kv} kv heads and head_dim {d} make {sum(segments)}; give the right head counts "
+            f"as attention(heads=..., kv_heads=...)"
+        )
+    _check_groups(h, kv, where)
+    return HeadLayout(h, kv, d, segments, note)
+
+
+def _check_groups(heads_: int, kv: int, where: str) -> None:
+    if heads_ % kv:
+        raise _Unmappable(
+            f"in block {where}, {kv} kv heads do not divide {heads_} query heads; each kv "
+            f"head must serve a whole group of query heads"
+        )
+
+
+def _check_output_width(block: nn.Module, where: str, o: str, layout: HeadLayout) -> None:
+    got = kinds.in_features(block.get_submodule(o))
+    if got != layout.num_heads * layout.head_dim:
+        raise _Unmappable(
+            f"in block {where}, output projection {o} takes {got} features but "
+            f"{layout.num_heads} heads x head_dim {layout.head_dim} give "
+            f"{layout.num_heads * layout.head_dim}; give the right head counts as "
+            f"attention(heads=..., kv_heads=...)"
+        )
+
+
+def _mlp_plan(block: nn.Module, where: str, hints: BlockHints) -> MLPPlan | None:
+    if not hints.mlp_column and not hints.mlp_row:
+        return None
+    if not (hints.mlp_column and hints.mlp_row):
+        have, lack = ("column", "row") if hints.mlp_column else ("row", "column")
+        raise _Unmappable(
+            f"the MLP of block {where} has {have} projections "
+            f"({', '.join(hints.mlp_column or hints.mlp_row)}) but no {lack} projection"
+        )
+    layers = hints.mlp_column + hints.mlp_row
+    return MLPPlan(
+        path=hints.mlp if hints.mlp is not None else paths.common_parent(layers),
+        column=tuple(_projection(block, p) for p in hints.mlp_column),
+        row=tuple(_projection(block, p) for p in hints.mlp_row),
+    )
+
+
+def _moe_plan(block: nn.Module, where: str, hints: BlockHints, notes: list[str]) -> MoEPlan | None:
+    if not (hints.router or hints.experts):
+        return None
+    if not (hints.router and hints.experts):
+        have = f"experts {hints.experts}" if hints.experts else f"router {hints.router}"
+        notes.append(f"block {where}: {have} without its counterpart; MoE left out of the plan")
+        return None
+    experts = block.get_submodule(hints.experts)
+    router = block.get_submodule(hints.router)
+    count = len(experts) if isinstance(experts, nn.ModuleList) else kinds.out_features(router)
+    if kinds.out_features(router) != count:
+        raise _Unmappable(
+            f"in block {where}, router {hints.router} scores {kinds.out_features(router)} "
+            f"experts but {hints.experts} holds {count}"
+        )
+    return MoEPlan(
+        path=hints.moe if hints.moe is not None else paths.common_parent([hints.router, hints.experts]),
+        router=hints.router,
+        experts=hints.experts,
+        num_experts=count,
+        shared_experts=hints.shared_experts,
+    )

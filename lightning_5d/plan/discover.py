@@ -1,0 +1,191 @@
+"""``discover``: find where the parts of a transformer are, from four sources in order.
+
+1. EXPLICIT: the user's ``model_plan`` (patterns -> roles), checked strictly;
+2. PUBLISHED: the model's own Hugging Face tp/pp/ep plans;
+3. REGISTRY: role names of architectures known by class;
+4. STRUCTURAL: the module tree itself (layer kinds and common names).
+
+Every part comes from the first source that names it, so a partial explicit plan only
+overrides what it names. The plan records the highest-priority source that contributed;
+its notes say which parts came from the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from torch import nn
+
+from lightning_5d.plan import assemble, paths, published, registry, structural
+from lightning_5d.plan import explicit as explicit_source
+from lightning_5d.plan.hints import BlockHints, Merged, TopHints, merge
+from lightning_5d.plan.model_plan import ModelPlan, PlanSource
+from lightning_5d.plan.patterns import (
+    Assignment,
+    RoleMap,
+    Strictness,
+    assign,
+    block_hints,
+    top_hints,
+)
+
+SOURCE_ORDER: tuple[PlanSource, ...] = tuple(PlanSource)
+
+# How the notes name the parts a secondary source filled in.
+_PART_LABELS = {
+    "embedding": "embedding",
+    "position_embedding": "position embedding",
+    "blocks": "blocks",
+    "final_norm": "final norm",
+    "head": "head",
+    "attention": "attention module",
+    "q": "attention projections",
+    "k": "attention projections",
+    "v": "attention projections",
+    "qkv": "attention projections",
+    "o": "attention projections",
+    "mlp": "MLP",
+    "mlp_column": "MLP",
+    "mlp_row": "MLP",
+    "moe": "MoE",
+    "router": "MoE",
+    "experts": "MoE",
+    "shared_experts": "MoE",
+    "norms": "norms",
+    "num_heads": "head counts",
+    "num_kv_heads": "head counts",
+    "head_dim": "head counts",
+}
+
+
+@dataclass(frozen=True)
+class _PatternSource:
+    source: PlanSource
+    role_map: RoleMap
+    assignments: list[Assignment]
+    strictness: Strictness
+
+
+def discover(
+    module: nn.Module,
+    explicit: Mapping[str, str] | None = None,
+    *,
+    sources: Iterable[PlanSource] = SOURCE_ORDER,
+) -> ModelPlan:
+    """The :class:`ModelPlan` of ``module`` (usually the LightningModule around the model).
+
+    ``explicit`` maps module-path patterns to roles (see :mod:`lightning_5d.plan.explicit`).
+    ``sources`` restricts which sources are consulted (for tests and debugging); the
+    order is always the one above. Raises ``ModelMappingError`` naming the missing
+    part, with a ``model_plan`` snippet that would fix it, and ``PlanConflictError``
+    for an explicit plan that contradicts itself or the model.
+    """
+    use = frozenset(PlanSource(s) for s in sources)
+    pattern_sources = _pattern_sources(module, explicit or {}, use)
+    top = _merge_top(module, pattern_sources, use)
+    blocks = _merge_blocks(module, top.hints, pattern_sources, use)
+    origins = [top.origin] + [b.origin for b in blocks]
+    source = _primary_source(origins)
+    notes = _notes(origins, source, pattern_sources)
+    return assemble.build(module, top.hints, [b.hints for b in blocks], source, notes)
+
+
+def _pattern_sources(
+    module: nn.Module, explicit: Mapping[str, str], use: frozenset[PlanSource]
+) -> list[_PatternSource]:
+    found: list[_PatternSource] = []
+    if PlanSource.EXPLICIT in use and explicit:
+        role_map = explicit_source.role_map(explicit)
+        assignments = assign(module, role_map.roles, Strictness.STRICT)
+        explicit_source.check_heads(module, assignments)
+        found.append(_PatternSource(PlanSource.EXPLICIT, role_map, assignments, Strictness.STRICT))
+    for source, finder in (
+        (PlanSource.PUBLISHED, published.find),
+        (PlanSource.REGISTRY, registry.find),
+    ):
+        if source not in use:
+            continue
+        role_map = finder(module)
+        if role_map:
+            assignments = assign(module, role_map.roles, Strictness.LENIENT)
+            found.append(_PatternSource(source, role_map, assignments, Strictness.LENIENT))
+    return found
+
+
+def _merge_top(
+    module: nn.Module,
+    pattern_sources: Sequence[_PatternSource],
+    use: frozenset[PlanSource],
+) -> Merged:
+    candidates: list[tuple[PlanSource, TopHints]] = [
+        (p.source, top_hints(p.assignments, p.strictness)) for p in pattern_sources
+    ]
+    merged = merge(candidates) if candidates else Merged(TopHints(), {})
+    if PlanSource.STRUCTURAL in use:
+        found = structural.top(module, merged.hints)
+        merged = merge([*candidates, (PlanSource.STRUCTURAL, found)])
+    return merged
+
+
+def _merge_blocks(
+    module: nn.Module,
+    top: TopHints,
+    pattern_sources: Sequence[_PatternSource],
+    use: frozenset[PlanSource],
+) -> list[Merged]:
+    if top.blocks is None:
+        return []
+    count = len(module.get_submodule(top.blocks))
+    per_source = [(p, block_hints(p.assignments, top.blocks, p.strictness)) for p in pattern_sources]
+    hidden = _hidden_size(module, top)
+    merged_blocks = []
+    for index in range(count):
+        candidates = [
+            (p.source, _with_heads(by_index.get(index, BlockHints()), p.role_map)) for p, by_index in per_source
+        ]
+        merged = merge(candidates) if candidates else Merged(BlockHints(), {})
+        if PlanSource.STRUCTURAL in use:
+            where = paths.join(top.blocks, str(index))
+            found = structural.block(module, where, merged.hints, hidden)
+            merged = merge([*candidates, (PlanSource.STRUCTURAL, found)])
+        merged_blocks.append(merged)
+    return merged_blocks
+
+
+def _with_heads(hints: BlockHints, role_map: RoleMap) -> BlockHints:
+    """Head counts a source declares for the whole model apply to each of its blocks."""
+    counts = role_map.heads
+    return replace(
+        hints,
+        num_heads=hints.num_heads or counts.num_heads,
+        num_kv_heads=hints.num_kv_heads or counts.num_kv_heads,
+        head_dim=hints.head_dim or counts.head_dim,
+    )
+
+
+def _hidden_size(module: nn.Module, top: TopHints) -> int | None:
+    embedding = module.get_submodule(top.embedding) if top.embedding else None
+    return getattr(embedding, "embedding_dim", None)
+
+
+def _primary_source(origins: Sequence[dict[str, PlanSource]]) -> PlanSource:
+    used = {s for origin in origins for s in origin.values()}
+    return next((s for s in SOURCE_ORDER if s in used), PlanSource.STRUCTURAL)
+
+
+def _notes(
+    origins: Sequence[dict[str, PlanSource]],
+    primary: PlanSource,
+    pattern_sources: Sequence[_PatternSource],
+) -> list[str]:
+    parts: dict[PlanSource, dict[str, None]] = {}
+    for origin in origins:
+        for name, source in origin.items():
+            if source is not primary:
+                parts.setdefault(source, {})[_PART_LABELS[name]] = None
+    notes = [n for p in pattern_sources if p.source in parts or p.source is primary for n in p.role_map.notes]
+    for source in SOURCE_ORDER:
+        if source in parts:
+            notes.append(f"from {source.value} source: {', '.join(parts[source])}")
+    return notes

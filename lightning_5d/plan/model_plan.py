@@ -1,0 +1,133 @@
+"""``ModelPlan``: where the parts of a transformer are, as discovered in a user's module.
+
+Every parallel dimension reads the model through this one description instead of
+guessing on its own: TP shards the projections it names, PP cuts at its blocks, EP
+shards its expert lists, CP swaps the attention it points at. Paths of the top-level
+parts (embedding, blocks, final norm, head) are dotted paths from the module that was
+discovered (the LightningModule under the strategy); paths inside a block are relative
+to that block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from torch import nn
+
+
+class PlanSource(str, Enum):
+    """Where a plan came from, in the order they are tried."""
+
+    EXPLICIT = "explicit"  # the user's `model_plan` (module-path patterns -> roles)
+    PUBLISHED = "published"  # the model's own plans (Hugging Face base_model_tp_plan, ...)
+    REGISTRY = "registry"  # a known architecture
+    STRUCTURAL = "structural"  # found from the module tree and names
+
+
+class ProjectionKind(str, Enum):
+    LINEAR = "linear"  # nn.Linear-like: weight [out, in], y = x W^T + b
+    CONV1D = "conv1d"  # GPT-2's transformers.pytorch_utils.Conv1D: weight [in, out], y = x W + b
+
+
+class AttentionKernel(str, Enum):
+    """How the attention module computes softmax(QK^T)V (what CP must swap)."""
+
+    SDPA = "sdpa"  # F.scaled_dot_product_attention (directly or via HF's attention interface)
+    EXPLICIT_SOFTMAX = "softmax"  # matmul + softmax written out in the module
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One linear map inside a block.
+
+    ``segments`` are the sizes, along the output features, of the pieces a fused
+    projection concatenates (GPT-2's ``c_attn`` is ``(E, E, E)`` for q|k|v; a fused
+    Llama-style qkv with GQA is ``(H*d, KV*d, KV*d)``). Empty for an unfused projection.
+    Column sharding cuts every segment into ``tp`` pieces so each rank keeps a whole
+    q, k and v part of its own heads.
+    """
+
+    path: str  # relative to the block
+    kind: ProjectionKind = ProjectionKind.LINEAR
+    segments: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    path: str  # the attention module, relative to the block
+    o: Projection
+    q: Projection | None = None
+    k: Projection | None = None
+    v: Projection | None = None
+    qkv: Projection | None = None  # fused q|k|v (then q, k, v are None)
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    # Integer attributes of the attention module that hold a full head count or a full
+    # head width (e.g. GPT-2's ``split_size``, ``num_heads``); TP divides them by tp
+    # because the module reshapes with them ("layer rewriting").
+    head_attributes: tuple[str, ...] = ()
+    kernel: AttentionKernel = AttentionKernel.UNKNOWN
+
+    @property
+    def column(self) -> tuple[Projection, ...]:
+        return tuple(p for p in (self.q, self.k, self.v, self.qkv) if p is not None)
+
+    @property
+    def row(self) -> tuple[Projection, ...]:
+        return (self.o,)
+
+
+@dataclass(frozen=True)
+class MLPPlan:
+    path: str  # the MLP module, relative to the block
+    column: tuple[Projection, ...]  # up/gate, fc1, c_fc
+    row: tuple[Projection, ...]  # down, fc2, c_proj
+
+
+@dataclass(frozen=True)
+class MoEPlan:
+    path: str  # the MoE feed-forward module, relative to the block
+    router: str  # relative to the block
+    experts: str  # the nn.ModuleList of experts, relative to the block
+    num_experts: int
+    shared_experts: str | None = None
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    attention: AttentionPlan
+    mlp: MLPPlan | None = None
+    moe: MoEPlan | None = None
+    norms: tuple[str, ...] = ()  # norm modules directly in the block (not inside attention/MLP)
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    source: PlanSource
+    embedding: str
+    blocks: str  # the nn.ModuleList of blocks
+    block_plans: tuple[BlockPlan, ...]  # one per block, in order
+    vocab_size: int
+    hidden_size: int
+    final_norm: str | None = None
+    head: str | None = None  # the output projection (lm_head); None for a headless model
+    position_embedding: str | None = None  # learned absolute positions (GPT-2's wpe)
+    tied_head: bool = False  # head.weight is embedding.weight
+    notes: tuple[str, ...] = field(default=())  # what the detector assumed, for describe()
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_plans)
+
+    def block_path(self, index: int) -> str:
+        return f"{self.blocks}.{index}" if self.blocks else str(index)
+
+    def blocks_of(self, root: nn.Module) -> list[nn.Module]:
+        return list(root.get_submodule(self.blocks))
+
+    @property
+    def has_moe(self) -> bool:
+        return any(b.moe is not None for b in self.block_plans)

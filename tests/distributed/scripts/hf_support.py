@@ -1,0 +1,75 @@
+"""Hugging Face causal LMs from small configs, each in the LightningModule a user would write.
+
+No weights are downloaded: the models are built from configs with random init (seeded).
+Vocabulary 256 matches the byte tokenizer of the shared TextDataModule.
+"""
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch.utils.data import default_collate
+
+from tests_support import BATCH_SIZE, make_datamodule
+
+
+def build_hf_model(name: str):
+    import transformers as tf
+
+    common = dict(vocab_size=256, tie_word_embeddings=False)
+    if name == "llama":  # grouped-query attention: 8 query heads share 4 kv heads
+        config = tf.LlamaConfig(**common, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64)  # fmt: skip
+        return tf.LlamaForCausalLM(config)
+    if name == "qwen2":  # biases on q/k/v
+        config = tf.Qwen2Config(**common, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64)  # fmt: skip
+        return tf.Qwen2ForCausalLM(config)
+    if name == "gpt2":  # fused c_attn Conv1D, learned positions, tied head
+        config = tf.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+        return tf.GPT2LMHeadModel(config)
+    raise ValueError(name)
+
+
+class CausalLM(L.LightningModule):
+    """The obvious LightningModule around a Hugging Face model (plus a loss record)."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.model = build_hf_model(name)
+        self.losses = []
+
+    def compute_loss(self, batch):
+        if isinstance(self.model.config, __import__("transformers").GPT2Config):
+            return self.model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss  # HF's own loss
+        logits = self.model(input_ids=batch["input_ids"]).logits
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), batch["labels"].view(-1))
+
+    def training_step(self, batch, batch_idx):
+        loss = self.compute_loss(batch)
+        self.losses.append(loss.detach().clone())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.0)
+
+
+def hf_reference_run(name: str, steps: int, data_ranks: int, dtype=torch.float32):
+    """One process, same init and the same global batches as the multi-process run."""
+    L.seed_everything(0, verbose=False)
+    module = CausalLM(name).to(dtype)
+    dm = make_datamodule()
+    dm.setup("fit")
+    dataset = dm.train_dataset
+    optimizer = module.configure_optimizers()
+    global_batch = BATCH_SIZE * data_ranks
+    perm = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0)).tolist()
+    losses = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        batch = default_collate([dataset[i] for i in perm[step * global_batch : (step + 1) * global_batch]])
+        loss = module.compute_loss(batch)
+        loss.backward()
+        losses.append(loss.item())
+        optimizer.step()
+    return losses, module.state_dict()

@@ -1,0 +1,52 @@
+"""A Hugging Face model (built from a small config) trained under FiveDStrategy.
+
+Rank 0 writes the per-step losses (averaged over data ranks) and the full parameters.
+"""
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+import lightning_5d
+from hf_support import CausalLM
+from tests_support import make_datamodule
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--model", required=True, choices=["llama", "qwen2", "gpt2"])
+parser.add_argument("--tp", type=int, default=1)
+parser.add_argument("--sp", action="store_true")
+parser.add_argument("--zero", type=int, default=1)
+parser.add_argument("--steps", type=int, default=5)
+parser.add_argument("--precision", default="32-true")
+parser.add_argument("--out", required=True)
+args = parser.parse_args()
+
+L.seed_everything(0)
+module = CausalLM(args.model)
+strategy = lightning_5d.FiveDStrategy(tp=args.tp, sequence_parallel=args.sp, zero=args.zero, bucket_size_mb=0.05)
+trainer = L.Trainer(
+    accelerator="cpu",
+    strategy=strategy,
+    devices=int(os.environ["WORLD_SIZE"]),
+    precision=args.precision,
+    max_steps=args.steps,
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+    limit_val_batches=0,
+)
+trainer.fit(module, datamodule=make_datamodule())
+losses = torch.stack(module.losses)
+dist.all_reduce(losses, group=strategy.mesh.group("dp"))
+losses /= strategy.mesh.data_size
+state = strategy.lightning_module_state_dict()
+if dist.get_rank() == 0:
+    out = Path(args.out)
+    torch.save({k: v.detach().clone() for k, v in state.items()}, out / "params.pt")
+    (out / "result.json").write_text(json.dumps({"losses": losses.tolist()}))
