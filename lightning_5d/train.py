@@ -98,13 +98,28 @@ def validate(cfg: DictConfig):
         from lightning_5d.models import LlamaConfig
 
         try:
-            LlamaConfig(**OmegaConf.to_container(cfg.model, resolve=True))
+            model_config = LlamaConfig(**OmegaConf.to_container(cfg.model, resolve=True))
         except (TypeError, ValueError) as err:
             raise ConfigError(f"model: {err}") from None
+        if layout.tp > 1:
+            _check_tensor_parallel(model_config, parallel, layout.tp)
     mode = cfg.launcher.mode
     if mode not in ("auto", "torchrun", "inprocess"):
         raise ConfigError(f"launcher.mode={mode!r} must be one of 'auto', 'torchrun', 'inprocess'.")
     return layout
+
+
+def _check_tensor_parallel(model_config: Any, parallel: Any, tp: int) -> None:
+    """Map the model and check its shapes against tp here, not after every rank started."""
+    import torch
+
+    from lightning_5d.models import LlamaModel
+    from lightning_5d.parallel.tensor import validate_tensor_parallel
+    from lightning_5d.plan import discover
+
+    with torch.device("meta"):  # shapes only: no memory, no init cost
+        model = LlamaModel(model_config)
+    validate_tensor_parallel(discover(model, parallel.model_plan), model, tp)
 
 
 # --------------------------------------------------------------------------- the job

@@ -47,14 +47,14 @@ def summary_line(stdout: str) -> dict[str, str]:
     return dict(item.split("=", 1) for item in lines[0].split()[1:])
 
 
-def check_summary(run_dir: Path, steps: int, world: int, zero: int) -> dict:
+def check_summary(run_dir: Path, steps: int, world: int, zero: int, data_ranks: int | None = None) -> dict:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == steps
     assert summary["world_size"] == world
     assert summary["zero"] == zero
     assert math.isfinite(summary["loss"]) and 0 < summary["loss"] < 10
     assert summary["tokens_per_s"] > 0
-    assert summary["tokens_per_step"] == 4 * 128 * world  # batch 4 x seq 128 per data rank
+    assert summary["tokens_per_step"] == 4 * 128 * (data_ranks or world)  # batch 4 x seq 128 per data rank
     assert [row["rank"] for row in summary["memory"]] == list(range(world))
     for row in summary["memory"]:
         assert row["params"] > 0 and row["peak_rss"] > 0
@@ -83,13 +83,22 @@ def test_recipe_composes_and_validates(recipe):
     assert layout.world_size == cfg.devices * cfg.num_nodes
 
 
-def test_default_recipe_is_tiny_dp():
+def test_default_recipe_is_tiny_tp():
     from lightning_5d.train import compose, validate
 
     cfg = compose([], return_hydra_config=True)
-    assert cfg.hydra.runtime.choices.recipe == "tiny_dp"
+    assert cfg.hydra.runtime.choices.recipe == "tiny_tp"
     layout = validate(cfg)
-    assert (layout.dp_shard, int(cfg.parallel.zero), cfg.devices) == (4, 1, 4)
+    assert (layout.dp_shard, layout.tp, int(cfg.parallel.zero), cfg.devices) == (2, 2, 1, 4)
+    assert cfg.parallel.sequence_parallel is True
+
+
+def test_tp_that_does_not_fit_the_heads_fails_before_launch():
+    from lightning_5d.parallel.tensor import TensorParallelError
+    from lightning_5d.train import compose, validate
+
+    with pytest.raises(TensorParallelError, match="tp=8 exceeds the 4 key/value heads"):
+        validate(compose(["parallel.tp=8", "devices=8"]))
 
 
 def test_command_line_beats_recipe():
@@ -120,9 +129,9 @@ def test_train_short_run(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     line = summary_line(proc.stdout)
     assert line["steps"] == "3" and line["world_size"] == "2" and line["zero"] == "1"
-    assert line["layout"] == "dp_shard:2" and line["recipe"] == "tiny_dp"
+    assert line["layout"] == "tp:2" and line["recipe"] == "tiny_tp"
     assert math.isfinite(float(line["loss"])) and float(line["peak_rss_mib_max"]) > 0
-    summary = check_summary(run_dir, steps=3, world=2, zero=1)
+    summary = check_summary(run_dir, steps=3, world=2, zero=1, data_ranks=1)  # tp=2: one data rank
     assert float(line["loss"]) == pytest.approx(summary["loss"], rel=1e-3)
     assert (run_dir / "workers.log").is_file()
 
