@@ -101,6 +101,8 @@ class SavedActivationMeter:
                 self.bytes += storage.nbytes()
         return t
 
+    _pack.observes_only = True  # returns what it is given: other saved-tensor hooks may chain to it
+
     def __enter__(self) -> "SavedActivationMeter":
         self._ctx.__enter__()
         return self

@@ -8,6 +8,9 @@ on timeout the whole process group of the launcher is stopped.
 from __future__ import annotations
 
 import io
+import os
+import sys
+from datetime import timedelta
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -25,7 +28,9 @@ class DistributedRun:
         if self.timed_out:
             raise AssertionError(f"distributed run timed out; output tail:\n{self.output[-6000:]}")
         if self.returncode != 0:
-            raise AssertionError(f"distributed run failed (exit {self.returncode}); output tail:\n{self.output[-6000:]}")
+            raise AssertionError(
+                f"distributed run failed (exit {self.returncode}); output tail:\n{self.output[-6000:]}"
+            )
         return self
 
 
@@ -45,3 +50,24 @@ def run_distributed(
         env={"PYTHONWARNINGS": "ignore", **(env or {})},
     )
     return DistributedRun(-9 if rc is None else rc, output.getvalue(), timed_out=rc is None)
+
+
+def leave_process_group() -> None:
+    """End a test script's rank: leave together, destroy the group, exit without teardown.
+
+    Objects that still hold process groups (device meshes, autograd contexts, hooks) are
+    otherwise destroyed during interpreter finalization, where gloo occasionally aborts a
+    run that already finished ("terminate called without an active exception"; README,
+    Known issues). Only for scripts that own their process, never for library code.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timedelta(seconds=60))  # rank 0 acknowledges every rank
+        else:
+            dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 
-def _norm_of(grads: list[Tensor], norm_type: float) -> Tensor:
+def _norm_of(grads: list[Tensor], norm_type: float, dtype: torch.dtype) -> Tensor:
     """The norm over ``grads`` (dense tensors and/or DTensors), as a plain scalar."""
     parts = []
     for wanted in (DTensor, Tensor):
@@ -27,7 +27,7 @@ def _norm_of(grads: list[Tensor], norm_type: float) -> Tensor:
             n = torch.nn.utils.get_total_norm(group, norm_type)
             parts.append(n.full_tensor() if isinstance(n, DTensor) else n)
     if not parts:
-        return torch.zeros(())
+        return torch.zeros((), dtype=dtype)
     stacked = torch.stack([p.to(parts[0].device) for p in parts])
     return stacked.max() if math.isinf(norm_type) else stacked.norm(norm_type)
 
@@ -41,8 +41,9 @@ def total_grad_norm(
     params = [p for p in parameters if p.grad is not None]
     sharded = [p.grad for p in params if is_tp_sharded(p)]
     replicated = [p.grad for p in params if not is_tp_sharded(p)]
-    tp_part = _norm_of(sharded, norm_type)
-    rep_part = _norm_of(replicated, norm_type).to(tp_part.device)
+    dtype = params[0].grad.dtype if params else torch.float32
+    tp_part = _norm_of(sharded, norm_type, dtype)
+    rep_part = _norm_of(replicated, norm_type, dtype).to(tp_part.device)
     if math.isinf(norm_type):
         if tp_group is not None:
             dist.all_reduce(tp_part, op=dist.ReduceOp.MAX, group=tp_group)

@@ -9,7 +9,8 @@ Per block, as in Megatron-LM and the Ultra-Scale Playbook:
 backward; ``g`` sits inside the row-parallel linear, before its bias (added once). With
 ``sequence_parallel`` the residual stream between those regions is cut along the
 sequence: it is scattered at the first block's input and gathered at the last block's
-output, and f/g become all-gather / reduce-scatter (f*, g*; see ``tensor_ops``).
+output, and f/g become all-gather / reduce-scatter (f*, g*; see ``tensor_ops``). The
+gathered input of a region is kept for backward as the rank's shard (``regather``).
 
 Outside the blocks, the token embedding and the output head are cut along the
 vocabulary (``vocab``), and the head's logits stay vocabulary-sharded.
@@ -37,6 +38,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lightning_5d.config import LayoutError
 from lightning_5d.parallel import tensor_ops
+from lightning_5d.parallel.regather import RegatherRegion
 from lightning_5d.parallel.vocab import vocab_parallel_embedding_forward, vocab_range
 from lightning_5d.plan.model_plan import ModelPlan, Projection, ProjectionKind
 
@@ -224,7 +226,15 @@ class TensorParallel:
     def _enter_region(self, module: nn.Module, where: str) -> None:
         """f (or f*) on the input of an attention / MLP / head module."""
         if self.sequence_parallel and where != "head":
-            fn = lambda x: tensor_ops.gather_into_tp(x, self.group)  # noqa: E731
+            region = RegatherRegion()
+
+            def gather(shard: Tensor) -> Tensor:
+                gathered = tensor_ops.gather_into_tp(shard, self.group)
+                region.enter(gathered, shard, seq_dim=1, group=self.group)
+                return gathered
+
+            fn = gather
+            self._hooks.append(module.register_forward_hook(lambda *_: region.exit()))
         else:
             fn = lambda x: tensor_ops.copy_to_tp(x, self.group)  # noqa: E731
         self._hooks.append(

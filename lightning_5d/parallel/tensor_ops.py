@@ -43,7 +43,7 @@ def _check_divisible(x: Tensor, seq_dim: int, n: int) -> None:
         )
 
 
-def _all_gather_seq(x: Tensor, seq_dim: int, group: dist.ProcessGroup) -> Tensor:
+def all_gather_sequence(x: Tensor, seq_dim: int, group: dist.ProcessGroup) -> Tensor:
     n = _size(group)
     x = x.contiguous()
     # Collectives concatenate along dim 0: gather [n * d0, ...], then move rank r's chunk
@@ -94,7 +94,7 @@ class _GatherIntoTP(torch.autograd.Function):  # f*
     @staticmethod
     def forward(ctx, x: Tensor, seq_dim: int, group: dist.ProcessGroup) -> Tensor:
         ctx.seq_dim, ctx.group = seq_dim, group
-        return _all_gather_seq(x, seq_dim, group)
+        return all_gather_sequence(x, seq_dim, group)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -109,7 +109,7 @@ class _ReduceScatterFromTP(torch.autograd.Function):  # g*
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return _all_gather_seq(grad, ctx.seq_dim, ctx.group), None, None
+        return all_gather_sequence(grad, ctx.seq_dim, ctx.group), None, None
 
 
 class _ScatterToSP(torch.autograd.Function):
@@ -120,14 +120,14 @@ class _ScatterToSP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return _all_gather_seq(grad, ctx.seq_dim, ctx.group), None, None
+        return all_gather_sequence(grad, ctx.seq_dim, ctx.group), None, None
 
 
 class _GatherFromSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, seq_dim: int, group: dist.ProcessGroup) -> Tensor:
         ctx.seq_dim, ctx.group = seq_dim, group
-        return _all_gather_seq(x, seq_dim, group)
+        return all_gather_sequence(x, seq_dim, group)
 
     @staticmethod
     def backward(ctx, grad: Tensor):

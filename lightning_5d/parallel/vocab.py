@@ -45,10 +45,14 @@ def vocab_parallel_embedding_forward(module: nn.Embedding, ids: Tensor, start: i
     padding = module.padding_idx
     if padding is not None:
         padding = padding - start if start <= padding < start + rows else None
-    out = F.embedding(
-        local, module.weight, padding, module.max_norm, module.norm_type, module.scale_grad_by_freq, module.sparse
-    )
-    out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+    args = (module.weight, padding, module.max_norm, module.norm_type, module.scale_grad_by_freq, module.sparse)
+    if module.max_norm is None and not module.scale_grad_by_freq:
+        out = F.embedding(local, *args).masked_fill(outside.unsqueeze(-1), 0.0)
+    else:
+        # Both look at which rows were looked up: ids owned elsewhere must not count as row 0.
+        inside = ~outside
+        out = module.weight.new_zeros(*ids.shape, module.weight.size(1))
+        out[inside] = F.embedding(local[inside], *args)
     return reduce_from_tp(out, group)
 
 
@@ -79,7 +83,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         g = softmax.clone()  # saved tensors stay intact for a retained graph
         rows = torch.nonzero(owned).squeeze(-1)
         g[rows, local_t[rows]] -= 1.0
-        g = g * (grad * valid).unsqueeze(-1)
+        # where, not a product: a mean over zero targets sends inf, and inf * 0 is nan.
+        g = g * torch.where(valid, grad, 0.0).unsqueeze(-1)
         return g.to(ctx.dtype), None, None, None, None
 
 

@@ -16,7 +16,7 @@ import torch
 from hf_support import hf_reference_run
 from lightning_5d.testing import run_distributed
 from reference import reference_run
-from tests_support import SCRIPTS, run_layout
+from tests_support import SCRIPTS, parameter_vector_error, run_layout
 
 STEPS = 5
 LOSS_RTOL = 1e-5
@@ -25,10 +25,8 @@ PARAM_RTOL = 1e-5
 
 def assert_equivalent(losses, params, ref_losses, ref_params):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=LOSS_RTOL, atol=0)
-    assert params.keys() == ref_params.keys()
-    diff = sum((params[k].double() - v.double()).norm() ** 2 for k, v in ref_params.items()) ** 0.5
-    total = sum(v.double().norm() ** 2 for v in ref_params.values()) ** 0.5
-    assert diff / total <= PARAM_RTOL, f"parameters differ by {diff / total:.2e} relative"
+    error = parameter_vector_error(params, ref_params)
+    assert error <= PARAM_RTOL, f"parameters differ by {error:.2e} relative"
 
 
 # (nproc, tp, sp, zero, model, accumulate, clip): the reference model
@@ -137,7 +135,9 @@ def test_collectives_per_block_match_the_playbook(tmp_path):
     assert ops(sp["forward"]) == [("all_gather", act), ("reduce_scatter", act)] * 2
     backward = ops(sp["backward"])
     activation_calls = [c for c in backward if c[1] == act]
-    assert sorted(activation_calls) == sorted([("all_gather", act), ("reduce_scatter", act)] * 2)
+    # Conjugates of f*, g* (a reduce-scatter and an all-gather per region), plus one all-gather
+    # per region that rebuilds the saved input from its shard (Megatron's memory trade).
+    assert sorted(activation_calls) == sorted([("all_gather", act), ("reduce_scatter", act), ("all_gather", act)] * 2)
     # The rest: one all-reduce per norm weight used on a sequence shard (partial gradient).
     norms = sp["sequence_partial_per_block"]
     assert norms == ["layers.1.attention_norm.weight", "layers.1.mlp_norm.weight"]
@@ -162,12 +162,10 @@ def test_saved_activations_fall_as_korthikanti_predicts(tmp_path):
         setup = TrainingSetup(tp=tp, sequence_parallel=sp, precision=Precision.FP32, micro_batch_size=2, seq_len=64)
         return layer_activations(spec, setup).stored(ActivationCheckpointing.NONE)
 
-    sbh = 2 * 64 * 64 * 4
-    # The column linears keep the all-gathered input of each region (2 sbh in all) where
-    # Megatron keeps the shard and gathers again in backward: (1 - 1/t) of it is extra here.
-    expected = {"none": predicted(1, False), "tp": predicted(2, False), "tp_sp": predicted(2, True) + sbh}
+    expected = {"none": predicted(1, False), "tp": predicted(2, False), "tp_sp": predicted(2, True)}
     for mode, value in measured.items():
         ratio = value / expected[mode]
+        # Measured runs ~5% above the formula in every mode: RoPE's fp32 copies of q and k.
         assert 0.95 <= ratio <= 1.08, f"{mode}: measured {value} B vs predicted {expected[mode]:.0f} B ({ratio:.3f})"
     assert measured["tp_sp"] < measured["tp"] < measured["none"]
 

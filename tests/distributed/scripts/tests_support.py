@@ -54,3 +54,11 @@ def run_layout(out: Path, nproc: int, zero: int, dp_replicate: int = 1, accumula
         args += ["--clip", str(clip)]
     run_distributed(SCRIPTS / "train_llama.py", nproc, args, timeout=240).check()
     return json.loads((out / "result.json").read_text()), torch.load(out / "params.pt")
+
+
+def parameter_vector_error(params: dict, ref_params: dict) -> float:
+    """|p - p_ref| / |p_ref| over all parameters as one vector (keys must match)."""
+    assert params.keys() == ref_params.keys()
+    diff = sum((params[k].double() - v.double()).norm() ** 2 for k, v in ref_params.items()) ** 0.5
+    total = sum(v.double().norm() ** 2 for v in ref_params.values()) ** 0.5
+    return float(diff / total)

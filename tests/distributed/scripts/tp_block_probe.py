@@ -21,6 +21,7 @@ from lightning_5d.models.llama import LlamaConfig, LlamaModel
 from lightning_5d.parallel.tensor import TensorParallel
 from lightning_5d.parallel.vocab import loss_parallel_region
 from lightning_5d.plan import discover
+from lightning_5d.testing import leave_process_group
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--mode", choices=["none", "tp", "tp_sp"], required=True)
@@ -73,5 +74,4 @@ if dist.get_rank() == 0:
         ),
     }
     Path(args.out, "result.json").write_text(json.dumps(result))
-dist.barrier()  # nobody tears down while a peer still writes
-dist.destroy_process_group()
+leave_process_group()

@@ -1,6 +1,6 @@
 """The tensor-parallel building blocks on tp ranks vs the same layers on one process, in fp64.
 
-Usage: tp_layers_check.py [--out OK_JSON] [--cases name,name,...|known_bugs] [--tol 1e-12]
+Usage: tp_layers_check.py [--out OK_JSON] [--cases name,name,...] [--tol 1e-12]
 
 Every rank builds the full reference layers and data from fixed seeds, runs them whole,
 then runs its TP shard (weights cut with ``TensorShard``, communication through the
@@ -38,7 +38,12 @@ from lightning_5d.parallel.tensor_ops import (
     reduce_scatter_from_tp,
     scatter_to_sequence_parallel,
 )
-from lightning_5d.parallel.vocab import loss_parallel_region, vocab_parallel_embedding_forward, vocab_range
+from lightning_5d.parallel.vocab import (
+    loss_parallel_region,
+    vocab_parallel_embedding_forward,
+    vocab_range,
+)
+from lightning_5d.testing import leave_process_group
 
 try:
     from transformers.pytorch_utils import Conv1D
@@ -615,15 +620,14 @@ CASES = {
     "vocab_embedding": case_vocab_embedding,
     "vocab_cross_entropy": case_vocab_cross_entropy,
     "grad_norm": case_grad_norm,
-    # known bugs (see tests/distributed/parallel/test_tensor_layers.py::test_known_bugs)
+    # option paths (formerly failing: ids of other ranks counted as row 0; nan on all-ignored; fp32 norm)
     "vocab_embedding_options": case_vocab_embedding_options,
     "vocab_cross_entropy_all_ignored": case_vocab_cross_entropy_all_ignored,
     "grad_norm_replicated_only": case_grad_norm_replicated_only,
 }
-KNOWN_BUGS = ("vocab_embedding_options", "vocab_cross_entropy_all_ignored", "grad_norm_replicated_only")
-DEFAULT = [n for n in CASES if n not in KNOWN_BUGS]
+DEFAULT = list(CASES)
 
-selected = DEFAULT if not args.cases else list(KNOWN_BUGS) if args.cases == "known_bugs" else args.cases.split(",")
+selected = DEFAULT if not args.cases else args.cases.split(",")
 unknown = [n for n in selected if n not in CASES]
 if unknown:
     raise SystemExit(f"unknown cases {unknown}; known: {list(CASES)}")
@@ -652,4 +656,4 @@ if GLOBAL_RANK == 0:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"world": WORLD, "cases": selected, "layouts": [L.name for L in all_layouts]}, f)
-dist.destroy_process_group()
+leave_process_group()
