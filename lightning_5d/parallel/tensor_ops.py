@@ -19,6 +19,8 @@ the batch-first ``[batch, seq, hidden]`` activations of the models we map).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -69,79 +71,44 @@ def _own_chunk(x: Tensor, seq_dim: int, group: dist.ProcessGroup) -> Tensor:
     return x.chunk(n, dim=seq_dim)[dist.get_rank(group)].contiguous()
 
 
-class _CopyToTP(torch.autograd.Function):  # f
-    @staticmethod
-    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return _all_reduce(grad, ctx.group), None
+def _identity(x: Tensor, seq_dim: int, group: dist.ProcessGroup) -> Tensor:
+    return x.view_as(x)
 
 
-class _ReduceFromTP(torch.autograd.Function):  # g
-    @staticmethod
-    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        return _all_reduce(x.clone(), group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return grad, None
+def _sum(x: Tensor, seq_dim: int, group: dist.ProcessGroup) -> Tensor:
+    return _all_reduce(x.clone(), group)
 
 
-class _GatherIntoTP(torch.autograd.Function):  # f*
-    @staticmethod
-    def forward(ctx, x: Tensor, seq_dim: int, group: dist.ProcessGroup) -> Tensor:
+def _conjugate_pair(name: str, forward: Callable, backward: Callable) -> type[torch.autograd.Function]:
+    """An autograd function running ``forward`` on the activation and ``backward`` on its gradient."""
+
+    def fwd(ctx, x: Tensor, seq_dim: int, group: dist.ProcessGroup) -> Tensor:
         ctx.seq_dim, ctx.group = seq_dim, group
-        return all_gather_sequence(x, seq_dim, group)
+        return forward(x, seq_dim, group)
 
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return _reduce_scatter_seq(grad, ctx.seq_dim, ctx.group), None, None
+    def bwd(ctx, grad: Tensor):
+        return backward(grad, ctx.seq_dim, ctx.group), None, None
 
-
-class _ReduceScatterFromTP(torch.autograd.Function):  # g*
-    @staticmethod
-    def forward(ctx, x: Tensor, seq_dim: int, group: dist.ProcessGroup) -> Tensor:
-        ctx.seq_dim, ctx.group = seq_dim, group
-        return _reduce_scatter_seq(x, seq_dim, group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return all_gather_sequence(grad, ctx.seq_dim, ctx.group), None, None
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
-class _ScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, seq_dim: int, group: dist.ProcessGroup) -> Tensor:
-        ctx.seq_dim, ctx.group = seq_dim, group
-        return _own_chunk(x, seq_dim, group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return all_gather_sequence(grad, ctx.seq_dim, ctx.group), None, None
-
-
-class _GatherFromSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, seq_dim: int, group: dist.ProcessGroup) -> Tensor:
-        ctx.seq_dim, ctx.group = seq_dim, group
-        return all_gather_sequence(x, seq_dim, group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return _own_chunk(grad, ctx.seq_dim, ctx.group), None, None
+# name, what runs on the activation (forward), what runs on its gradient (backward)
+_CopyToTP = _conjugate_pair("_CopyToTP", _identity, _sum)  # f
+_ReduceFromTP = _conjugate_pair("_ReduceFromTP", _sum, _identity)  # g
+_GatherIntoTP = _conjugate_pair("_GatherIntoTP", all_gather_sequence, _reduce_scatter_seq)  # f*
+_ReduceScatterFromTP = _conjugate_pair("_ReduceScatterFromTP", _reduce_scatter_seq, all_gather_sequence)  # g*
+_ScatterToSP = _conjugate_pair("_ScatterToSP", _own_chunk, all_gather_sequence)
+_GatherFromSP = _conjugate_pair("_GatherFromSP", all_gather_sequence, _own_chunk)
 
 
 def copy_to_tp(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     """f: the input of column-parallel linears (replicated in, each rank uses all of it)."""
-    return _CopyToTP.apply(x, group)
+    return _CopyToTP.apply(x, 1, group)
 
 
 def reduce_from_tp(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     """g: the output of a row-parallel linear (partial sums over the ranks' input slices)."""
-    return _ReduceFromTP.apply(x, group)
+    return _ReduceFromTP.apply(x, 1, group)
 
 
 def gather_into_tp(x: Tensor, group: dist.ProcessGroup, seq_dim: int = 1) -> Tensor:

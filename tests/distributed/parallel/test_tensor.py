@@ -29,27 +29,29 @@ def assert_equivalent(losses, params, ref_losses, ref_params):
     assert error <= PARAM_RTOL, f"parameters differ by {error:.2e} relative"
 
 
-# (nproc, tp, sp, zero, model, accumulate, clip): the reference model
+# (nproc, tp, sp, zero, model, accumulate, clip, extra script args): the reference model
 REFERENCE_FAST = [
-    (2, 2, False, 1, "tiny", 2, 0.5),
-    (2, 2, True, 1, "tiny_tied", 1, None),
-    (4, 2, True, 3, "tiny", 2, 0.5),  # tp x dp with ZeRO-3 (FSDP2)
+    (2, 2, False, 1, "tiny", 2, 0.5, ()),
+    (2, 2, True, 1, "tiny_tied", 1, None, ("--ac", "full")),  # SP under activation checkpointing
+    (4, 2, True, 3, "tiny", 2, 0.5, ()),  # tp x dp with ZeRO-3 (FSDP2)
 ]
 REFERENCE_FULL = [
-    (4, 4, False, 1, "tiny_kv4", 1, None),
-    (4, 4, True, 2, "tiny_kv4", 1, None),
-    (4, 2, False, 1, "tiny", 2, 0.5),  # tp x dp with ZeRO-1
-    (4, 2, True, 1, "tiny", 1, None),
-    (4, 2, False, 3, "tiny_tied", 1, None),
-    (2, 2, False, 0, "tiny", 1, 0.5),
-    (2, 2, True, 2, "tiny", 2, None),
+    (4, 4, False, 1, "tiny_kv4", 1, None, ()),
+    (4, 4, True, 2, "tiny_kv4", 1, None, ()),
+    (4, 2, False, 1, "tiny", 2, 0.5, ()),  # tp x dp with ZeRO-1
+    (4, 2, True, 1, "tiny", 1, None, ()),
+    (4, 2, False, 3, "tiny_tied", 1, None, ()),
+    (2, 2, False, 0, "tiny", 1, 0.5, ()),
+    (2, 2, True, 2, "tiny", 2, None, ()),
+    (2, 2, True, 1, "tiny", 1, None, ("--ac", "selective")),
+    (2, 2, True, 1, "tiny_moe", 1, None, ()),  # MoE feed-forward replicated over tp
 ]
-REF_PARAMS = "nproc,tp,sp,zero,model,accumulate,clip"
+REF_PARAMS = "nproc,tp,sp,zero,model,accumulate,clip,extra"
 
 
-def check_reference(tmp_path, nproc, tp, sp, zero, model, accumulate, clip):
+def check_reference(tmp_path, nproc, tp, sp, zero, model, accumulate, clip, extra):
     result, params = run_layout(
-        tmp_path, nproc, zero, accumulate=accumulate, clip=clip, steps=STEPS, tp=tp, sp=sp, model=model
+        tmp_path, nproc, zero, accumulate=accumulate, clip=clip, steps=STEPS, tp=tp, sp=sp, model=model, extra=extra
     )
     assert result["layout"]["tp"] == tp and result["layout"]["sp"] == sp
     ref_losses, ref_params = reference_run(STEPS, nproc // tp, accumulate, clip, model=model)
@@ -59,16 +61,16 @@ def check_reference(tmp_path, nproc, tp, sp, zero, model, accumulate, clip):
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(REF_PARAMS, REFERENCE_FAST)
-def test_reference_model_matches_single_process(tmp_path, nproc, tp, sp, zero, model, accumulate, clip):
-    check_reference(tmp_path, nproc, tp, sp, zero, model, accumulate, clip)
+def test_reference_model_matches_single_process(tmp_path, nproc, tp, sp, zero, model, accumulate, clip, extra):
+    check_reference(tmp_path, nproc, tp, sp, zero, model, accumulate, clip, extra)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(REF_PARAMS, REFERENCE_FULL)
-def test_reference_model_matches_single_process_full(tmp_path, nproc, tp, sp, zero, model, accumulate, clip):
-    check_reference(tmp_path, nproc, tp, sp, zero, model, accumulate, clip)
+def test_reference_model_matches_single_process_full(tmp_path, nproc, tp, sp, zero, model, accumulate, clip, extra):
+    check_reference(tmp_path, nproc, tp, sp, zero, model, accumulate, clip, extra)
 
 
 # (model, nproc, tp, sp, zero): Hugging Face models, unchanged, in a 10-line LightningModule

@@ -14,6 +14,7 @@ MODELS = {
     "tiny": TINY,
     "tiny_kv4": replace(TINY, num_kv_heads=4),  # tp=4 needs 4 kv heads
     "tiny_tied": replace(TINY, tie_embeddings=True),
+    "tiny_moe": replace(TINY, num_experts=4, experts_top_k=2, num_shared_experts=1, moe_intermediate_size=64),
 }
 SEQ_LEN = 32
 BATCH_SIZE = 2  # per data rank
