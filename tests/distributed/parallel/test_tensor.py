@@ -183,3 +183,25 @@ def test_tp_above_kv_heads_fails_before_training(tmp_path):
     assert "tp=4 exceeds the 2 key/value heads" in run.output
     assert "Use tp in [1, 2]" in run.output
     assert not (tmp_path / "result.json").exists()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        # which part is missing, and the config that would fix it
+        (
+            "unmappable",
+            ["no transformer blocks found in Unmappable", "parallel:\n", "model_plan:", '"net.0": embedding'],
+        ),
+        ("conflict", ["PlanConflictError", "is matched by model_plan patterns", "Narrow one of the patterns"]),
+    ],
+)
+def test_model_the_strategy_cannot_map_fails_in_setup(case, message):
+    run = run_distributed(SCRIPTS / "tp_bad_model.py", 2, ["--case", case])
+    assert run.returncode != 0 and not run.timed_out
+    output = run.output.replace("[rank0]: ", "")
+    for part in message:
+        assert part in output, f"{part!r} missing from:\n{run.output[-4000:]}"
+    assert "TRAINING STEP RAN" not in run.output

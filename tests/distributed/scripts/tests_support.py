@@ -38,7 +38,11 @@ class RecordingLM(LlamaLM):
 
 
 def make_datamodule(num_samples: int | None = None) -> TextDataModule:
-    return TextDataModule(seq_len=SEQ_LEN, batch_size=BATCH_SIZE, num_samples=num_samples or NUM_SAMPLES, val_samples=16)
+    return TextDataModule(
+        seq_len=SEQ_LEN, batch_size=BATCH_SIZE, num_samples=num_samples or NUM_SAMPLES, val_samples=16
+    )
+
+
 SCRIPTS = Path(__file__).parent
 
 
