@@ -54,6 +54,8 @@ def planned_config(
             f"ZeRO-{int(config.zero)} over {world_size} ranks. Pass sizes to FiveDStrategy to choose yourself."
         )
         return config
+    if chosen.get("tp", 1) > 1:
+        chosen["sequence_parallel"] = True  # what the planner's memory and time estimates assumed
     planned = dataclasses.replace(config, **chosen)
     rank_zero_info(
         f"[lightning_5d] planner chose {', '.join(f'{k}={v}' for k, v in chosen.items())} for "
