@@ -11,6 +11,24 @@ shard (dp_shard), R replicas (dp_replicate), one micro-batch:
     ZeRO-1/2 reduce-scatter      Ψ·(N-1)/N·4   + all-gather of the updated params Ψ·(N-1)/N·4
     ZeRO-3   all-gather fwd+bwd  2Ψ·(N-1)/N·4  + reduce-scatter Ψ·(N-1)/N·4
     HSDP     + all-reduce of each rank's gradient shard across replicas 2(R-1)/R·4Ψ/N
+
+Tensor parallelism (t ranks, no data parallelism, L layers; A = b·s·h·4 bytes, one fp32
+hidden-state tensor of the micro-batch; T = b·s·4, one fp32 number per token), per step,
+as Megatron-LM and the Ultra-Scale Playbook lay it out:
+
+    TP       all-reduce      per layer 2 forward (g after attention and MLP) + 2 backward (f before them)
+                             + the vocab-parallel embedding's g (forward) + the head input's f (backward)
+                             + the vocab-parallel loss: max, sum of exp, target logit (3T)
+    TP + SP  all-gather      per layer 2 forward (f*) + 2 backward (conjugate of g*) + 2 backward
+                             (re-gather of the saved region inputs, lightning_5d/parallel/regather.py)
+                             + the embedding output's reduce-scatter (its backward) + the head input (forward)
+             reduce-scatter  per layer 2 forward (g*) + 2 backward (conjugate of f*)
+                             + the embedding output (forward) + the head input's gradient (backward)
+             all-reduce      the loss (3T) + one per norm weight, 2L + 1 (its gradient is a partial
+                             sum over the sequence shards)
+
+each all-reduce 2(t-1)/t·B, each all-gather / reduce-scatter (t-1)/t·A. The planner's number
+is ``lightning_5d.estimate``'s ``comm`` for the same layout.
 """
 
 from __future__ import annotations
@@ -19,6 +37,7 @@ import json
 from collections import defaultdict
 
 from benchmarks.common import pending_note, run_worker
+from lightning_5d.collectives import wire_bytes
 from lightning_5d.estimate import estimate, load_spec
 from lightning_5d.models import LlamaConfig, LlamaLM
 
@@ -33,9 +52,12 @@ LAYOUTS = [  # (label, nproc, zero, dp_replicate)
     ("HSDP ZeRO-1 (2×2)", 4, 1, 2),
     ("HSDP ZeRO-3 (2×2)", 4, 3, 2),
 ]
+TP_LAYOUTS = [  # (label, nproc, tp, sequence_parallel): zero=0, one data rank
+    ("TP", 2, 2, False),
+    ("TP + SP", 2, 2, True),
+]
 DATA_OPS = ("all_reduce", "reduce_scatter", "all_gather")
-PENDING_ROWS = [("TP", "tp"), ("TP + SP", "tp"), ("CP (ring)", "cp"), ("CP (all-gather)", "cp"), ("PP", "pp"),
-                ("EP", "ep")]  # fmt: skip
+PENDING_ROWS = [("CP (ring)", "cp"), ("CP (all-gather)", "cp"), ("PP", "pp"), ("EP", "ep")]
 
 
 def theory(zero: int, psi: int, n_shard: int, replicas: int) -> dict[str, float]:
@@ -51,23 +73,67 @@ def theory(zero: int, psi: int, n_shard: int, replicas: int) -> dict[str, float]
     return out
 
 
-def planner(module: LlamaLM, zero: int, n_shard: int, replicas: int) -> dict[str, float]:
+def tp_terms(cfg: LlamaConfig, t: int, sp: bool) -> list[dict]:
+    """The playbook's TP (+SP) collectives per step (module docstring): kind, calls, tensor bytes, what."""
+    a = 4 * BATCH * SEQ_LEN * cfg.hidden_size  # A: one fp32 hidden-state tensor of the micro-batch
+    tok = 4 * BATCH * SEQ_LEN  # T: one fp32 number per token
+    n = cfg.num_layers
+
+    def term(op: str, calls: int, size: int, what: str) -> dict:
+        return {"op": op, "calls": calls, "tensor_bytes": size, "what": what,
+                "wire_bytes": calls * wire_bytes(op, size, t)}  # fmt: skip
+
+    loss = [term("all_reduce", 3, tok, "vocab-parallel loss: max, sum of exp, target logit")]
+    if not sp:
+        return [
+            term("all_reduce", 4 * n, a, "per layer: g after attention and MLP (fwd), f before them (bwd)"),
+            term("all_reduce", 1, a, "vocab-parallel embedding: g (fwd)"),
+            term("all_reduce", 1, a, "head input: f (bwd)"),
+            *loss,
+        ]
+    return [
+        term("all_gather", 4 * n, a, "per layer: f* (fwd), conjugate of g* (bwd)"),
+        term("all_gather", 2 * n, a, "per layer: re-gather of the saved region inputs (bwd)"),
+        term("all_gather", 1, a, "embedding output: conjugate of its reduce-scatter (bwd)"),
+        term("all_gather", 1, a, "head input (fwd)"),
+        term("reduce_scatter", 4 * n, a, "per layer: g* (fwd), conjugate of f* (bwd)"),
+        term("reduce_scatter", 1, a, "embedding output (fwd)"),
+        term("reduce_scatter", 1, a, "head input gradient (bwd)"),
+        *loss,
+        term("all_reduce", 2 * n + 1, 4 * cfg.hidden_size, "norm weight gradients (partial over sequence shards)"),
+    ]
+
+
+def by_op(terms: list[dict]) -> dict[str, float]:
+    out: dict[str, float] = defaultdict(float)
+    for t in terms:
+        out[t["op"]] += t["wire_bytes"]
+    return dict(out)
+
+
+def planner(module: LlamaLM, zero: int, n_shard: int, replicas: int, tp: int = 1, sp: bool = False) -> dict:
     est = estimate(load_spec(module), dp_replicate=replicas, dp_shard=n_shard, zero=zero, precision="fp32",
-                   seq_len=SEQ_LEN, micro_batch_size=BATCH)  # fmt: skip
+                   seq_len=SEQ_LEN, micro_batch_size=BATCH, tp=tp, sequence_parallel=sp)  # fmt: skip
     out: dict[str, float] = defaultdict(float)
     for entry in est.comm:
         out[entry.collective.value] += entry.bytes_per_rank
     return dict(out)
 
 
-CONTROL_BYTES = 1024  # a call on a tensor this small carries flags, not parameters or gradients
+# A call on a tensor this small carries flags, not parameters, gradients or activations (the
+# smallest of those here: 512 B, one fp32 per token of the TP loss and a norm weight's gradient).
+CONTROL_BYTES = 256
 
 
 def _per_step(calls: list[dict], steps: int) -> dict[str, dict]:
-    """Per collective kind: calls, wire bytes and group sizes per step; small calls go to "control"."""
+    """Per collective kind: calls, wire bytes and group sizes per step; small calls go to "control".
+
+    DTensor's functional collectives (counted by the worker's dispatch mode) get keys of their own.
+    """
     acc: dict[str, dict] = defaultdict(lambda: {"calls": 0, "wire_bytes": 0.0, "group_sizes": set(), "ops": set()})
     for c in calls:
-        key = "control" if c["tensor_bytes"] < CONTROL_BYTES else c["op"]
+        functional = " (functional)" if c["api"].startswith("functional.") else ""
+        key = "control" if c["tensor_bytes"] < CONTROL_BYTES else c["op"] + functional
         acc[key]["calls"] += 1
         acc[key]["wire_bytes"] += c["wire_bytes"]
         acc[key]["group_sizes"].add(c["group_size"])
@@ -104,6 +170,23 @@ def run(quick: bool) -> dict:
         if zero == 3:
             regathered = psi - psi_last_block - psi_root
             rows[-1]["fsdp2_all_gather"] = (n_shard - 1) / n_shard * 4 * (psi + regathered)
+    cfg = LlamaConfig(**MODEL)
+    for label, nproc, tp, sp in TP_LAYOUTS:
+        args = ["--strategy", "5d", "--zero", "0", "--tp", str(tp), *(["--sp"] if sp else []), "--model",
+                json.dumps(MODEL), "--seq-len", str(SEQ_LEN), "--batch-size", str(BATCH), "--warmup", str(warmup),
+                "--steps", str(steps), "--count-comm"]  # fmt: skip
+        result = run_worker(nproc, args)
+        per_rank = [_per_step(r["comm"], steps) for r in result["ranks"]]
+        terms = tp_terms(cfg, tp, sp)
+        rows.append({
+            "label": label, "nproc": nproc, "zero": 0, "dp_replicate": 1, "dp_shard": nproc // tp, "tp": tp,
+            "sequence_parallel": sp, "num_layers": cfg.num_layers,
+            "activation_bytes": 4 * BATCH * SEQ_LEN * cfg.hidden_size, "norm_weight_bytes": 4 * cfg.hidden_size,
+            "measured": per_rank[0], "measured_all_ranks": per_rank,
+            "ranks_agree": all(p == per_rank[0] for p in per_rank),
+            "not_counted": sorted({u for r in result["ranks"] for u in r["comm_unknown"]}),
+            "theory": by_op(terms), "theory_terms": terms, "planner": planner(module, 0, nproc // tp, 1, tp, sp),
+        })  # fmt: skip
     return {
         "command": "python -m benchmarks run" + (" --quick" if quick else "") + " --only comm_vs_theory",
         "psi": psi, "seq_len": SEQ_LEN, "batch_size": BATCH, "timed_steps": steps, "rows": rows,
@@ -124,13 +207,104 @@ ZERO3_GATHER_NOTE = (
 def _note(row: dict, key: str, ratio: float | None) -> str:
     if key == "control":
         return CONTROL_NOTE
+    if row.get("tp", 1) > 1:
+        return _tp_note(row, key, ratio)
     if ratio is not None and 0.95 <= ratio <= 1.05:
         return ""
     if key == "all_gather" and row["zero"] == 3 and ratio is not None and ratio < 1:
         expected = row["fsdp2_all_gather"]
-        return (f"{ZERO3_GATHER_NOTE}; forward Ψ + backward (Ψ − last block − root) = {expected:,.0f} B, "
-                f"measured / that = {row['measured']['all_gather']['wire_bytes'] / expected:.4f}")
+        return (
+            f"{ZERO3_GATHER_NOTE}; forward Ψ + backward (Ψ − last block − root) = {expected:,.0f} B, "
+            f"measured / that = {row['measured']['all_gather']['wire_bytes'] / expected:.4f}"
+        )
     return "✗ unexplained"
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-6 * max(abs(a), abs(b), 1.0)
+
+
+def _tp_note(row: dict, key: str, ratio: float | None) -> str:
+    """What a TP row's collective is made of, and why measured, theory and planner differ where they do.
+
+    Every explanation is checked against the numbers: a difference it does not account for
+    byte for byte is marked unexplained.
+    """
+    t, n, a = row["tp"], row["num_layers"], row["activation_bytes"]
+    ag = wire_bytes("all_gather", a, t)  # one all-gather / reduce-scatter of A
+    ar = wire_bytes("all_reduce", a, t)  # one all-reduce of A
+    norm = wire_bytes("all_reduce", row["norm_weight_bytes"], t)
+    m = row["measured"].get(key, {}).get("wire_bytes", 0.0)
+    th, pl = row["theory"].get(key, 0.0), row["planner"].get(key, 0.0)
+    parts = []
+    if not row["sequence_parallel"]:
+        if key == "all_reduce" and _close(m, th):
+            parts.append(
+                f"{4 * n} in the blocks (2 fwd + 2 bwd per layer) + the embedding (fwd) + the head input (bwd) + "
+                "the loss in 2 calls (max; sum of exp and target logit share one): the theory's bytes"
+            )
+    elif key == "all_gather" and _close(m, th):
+        parts.append(f"{6 * n} in the blocks (4 per layer: f*, conjugate of g*; 2 per layer: re-gathers) + the "
+                     "last block's output (fwd; = the head input) + the first block's scatter (bwd; = the "
+                     "embedding output's conjugate)")  # fmt: skip
+    elif key == "reduce_scatter" and _close(th - m, 2 * ag):
+        parts.append(f"below theory by {th - m:,.0f} B, the embedding output (fwd) and the head input gradient "
+                     "(bwd): this implementation all-reduces those two (see all_reduce)")  # fmt: skip
+    elif key == "all_reduce" and _close(m - th, 2 * ar - norm):
+        share = (2 * ar - 2 * ag) / sum(v["wire_bytes"] for v in row["measured"].values())
+        parts.append(
+            f"✗ above theory by {m - th:,.0f} B: the vocab-parallel embedding all-reduces its output and then "
+            f"keeps its sequence chunk, and the head's f all-reduces its input gradient, 2 × 2(t−1)/t·A = "
+            f"{2 * ar:,.0f} B, where Megatron-LM reduce-scatters both ((t−1)/t·A each, {2 * ag:,.0f} B, see "
+            f"reduce_scatter): net +{2 * ar - 2 * ag:,.0f} B per step, {share:.1%} of the step's total; the final "
+            f"norm runs on the whole sequence (after the last block's gather), so its weight needs no all-reduce: "
+            f"{2 * n} norm-weight all-reduces, not {2 * n + 1} (−{norm:,.0f} B). A saving left to take: "
+            f"reduce-scatter the embedding output into the first block, and run the final norm on the sequence "
+            f"shard before gathering the head input"
+        )
+    elif ratio is None or not 0.95 <= ratio <= 1.05:
+        parts.append("✗ unexplained")
+    if not _close(pl, th):
+        regathers = (
+            f"the planner leaves out the {2 * n} re-gathers of saved region inputs and the embedding output's "
+            "backward all-gather"
+        )
+        norms = f"the planner leaves out the {2 * n + 1} norm-weight gradient all-reduces"
+        gaps = {
+            ("all_gather", True): (th - pl, (2 * n + 1) * ag, regathers),
+            ("all_reduce", True): (th - pl, (2 * n + 1) * norm, norms),
+        }
+        diff, expected, why = gaps.get((key, row["sequence_parallel"]), (None, None, None))
+        if diff is not None and _close(diff, expected):
+            parts.append(f"planner {pl - th:+,.0f} B vs theory: {why}")
+        else:
+            parts.append(f"✗ planner {pl - th:+,.0f} B vs theory, unexplained")
+    return "; ".join(parts)
+
+
+def _functional_count(result: dict) -> str:
+    rows = [r["label"] for r in result["rows"] for p in r["measured_all_ranks"] if any("functional" in k for k in p)]
+    return f"in {', '.join(sorted(set(rows)))}" if rows else "none occur, on any rank"
+
+
+def _tp_intro(result: dict) -> list[str]:
+    rows = [r for r in result["rows"] if r.get("tp", 1) > 1]
+    if not rows:
+        return []
+    r = rows[0]
+    return [
+        f"TP rows: {r['nproc']} processes, tp = {r['tp']}, no data parallelism (`FiveDStrategy(tp={r['tp']}, "
+        f"sequence_parallel=..., zero=0)`), {r['num_layers']} layers; A = b·s·h·4 = {r['activation_bytes']:,} B "
+        "(one fp32 hidden-state tensor of the micro-batch). Theory: Megatron-LM / the Ultra-Scale Playbook per "
+        "block — TP: 2 all-reduces of A forward + 2 backward per layer; TP+SP: 2 all-gathers + 2 reduce-scatters "
+        "forward, 2 reduce-scatters + 4 all-gathers backward (2 of them re-gather the saved region inputs, "
+        "`lightning_5d/parallel/regather.py`) — plus the vocab-parallel embedding (all-reduce; with SP "
+        "reduce-scatter forward, all-gather backward), the head input (all-reduce of its gradient; with SP "
+        "all-gather forward, reduce-scatter backward), the vocab-parallel loss (3 fp32 numbers per token "
+        "all-reduced) and, with SP, one all-reduce per norm weight (2L + 1). Collective by collective: "
+        "benchmarks/comm_vs_theory.py.",
+        "",
+    ]
 
 
 def markdown(result: dict) -> str:
@@ -140,10 +314,12 @@ def markdown(result: dict) -> str:
         f"(ring algorithm), averaged over {result['timed_steps']} steps after the warm-up. Rank 0 shown; "
         "`ranks agree` says whether every rank measured the same. Target: measured / theory ≤ 1.05. "
         "Counted by wrapping the public `torch.distributed` functions, which our ZeRO-0..2 engine and FSDP2 "
-        "(torch 2.13: `dist.all_gather_single`, `dist.reduce_scatter_single`, `dist.all_reduce`) call, so all "
-        "of their traffic is seen; functional collectives (DTensor redistribution) and C++ callers (the DDP "
-        "reducer) would not be — the byte-exact agreement below shows none carries model data here.",
+        "(torch 2.13: `dist.all_gather_single`, `dist.reduce_scatter_single`, `dist.all_reduce`) and our TP "
+        "call, so all of their traffic is seen; DTensor's functional collectives are counted too, by a dispatch "
+        f"mode in the worker (listed as *functional*; {_functional_count(result)}); C++ callers (the DDP reducer) "
+        "would not be seen — the byte-exact agreement below shows none carries model data here.",
         "",
+        *_tp_intro(result),
         "| layout | collective | calls / step | measured (B) | theory (B) | planner (B) | measured / theory "
         "| ranks agree | note |",
         "|---|---|---:|---:|---:|---:|---:|---|---|",
@@ -172,4 +348,3 @@ def markdown(result: dict) -> str:
                 for r in result["rows"])  # fmt: skip
     lines += ["", f"Largest total measured / theory: {worst:.4f} (target ≤ 1.05)."]
     return "\n".join(lines)
-

@@ -14,7 +14,7 @@ from lightning_5d.testing import run_distributed
 WORKER = Path(__file__).parent / "workers" / "train.py"
 
 # Dimensions whose benchmarks wait for their implementation (issue numbers of the tracker).
-PENDING = {"tp": 4, "cp": 5, "pp": 6, "ep": 7}
+PENDING = {"cp": 5, "pp": 6, "ep": 7}
 
 
 class WorkerFailed(RuntimeError):
@@ -36,9 +36,15 @@ def _run_once(nproc: int, args: Sequence[str], timeout: float) -> dict:
         out = Path(tmp) / "result.json"
         run = run_distributed(WORKER, nproc, [*args, "--out", str(out)], timeout=timeout)
         if run.timed_out or run.returncode != 0 or not out.exists():
-            reason = first_error(run.output)
-            raise WorkerFailed(reason or f"exit {run.returncode}, timed out: {run.timed_out}", run.output)
+            reason = first_error(run.output) or f"exit {run.returncode}, timed out: {run.timed_out}"
+            if not first_error(run.output):  # no Python exception: say what the ranks printed last
+                reason += "; output tail:\n" + "\n".join(_tail(run.output))
+            raise WorkerFailed(reason, run.output)
         return json.loads(out.read_text())
+
+
+def _tail(output: str, lines: int = 25) -> list[str]:
+    return [line for line in output.splitlines() if "Warning" not in line and line.strip()][-lines:]
 
 
 _EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.+)$")
