@@ -101,6 +101,7 @@ class FiveDStrategy(ParallelStrategy):
         self._zero: ZeroDataParallel | None = None
         self._fsdp_units: list = []
         self._tp: TensorParallel | None = None
+        self._tp_sharded_ids: set[int] = set()
         self._in_backward_sync_block = False
         self.num_nodes = 1
 
@@ -227,6 +228,7 @@ class FiveDStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if self._tp is not None:
             # Lightning's clipping sees only this rank's pieces; ours takes the global norm.
+            self._tp_sharded_ids = self._tp_sharded_param_ids()
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -319,17 +321,18 @@ class FiveDStrategy(ParallelStrategy):
             return super().test_step(*args, **kwargs)
 
     def _clip_grad_by_norm(self, optimizer, clip_val: int | float) -> None:
-        names = self._parameter_names()
         assert self._tp is not None
-        tp = self._tp
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        clip_grad_norm_(params, float(clip_val), lambda p: tp.is_sharded(names.get(id(p), "")), tp.group)
+        sharded = self._tp_sharded_ids
+        clip_grad_norm_(params, float(clip_val), lambda p: id(p) in sharded, self._tp.group)
 
-    def _parameter_names(self) -> dict[int, str]:
+    def _tp_sharded_param_ids(self) -> set[int]:
+        """ids of the parameters the optimizers see (ZeRO master slices included) that hold TP shards."""
+        assert self._tp is not None
         names = {id(p): n for n, p in self.lightning_module.named_parameters()}
         if self._zero is not None:
             names.update(self._zero.master_names())
-        return names
+        return {i for i, name in names.items() if self._tp.is_sharded(name)}
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -185,7 +185,8 @@ class TensorParallel:
         # Names of replicated parameters used only on a sequence shard: their gradients are
         # partial sums over the TP ranks and must be summed (sequence parallelism only).
         self.sequence_partial: set[str] = set()
-        self._replaced: dict[int, nn.Parameter] = {}
+        self._replaced: dict[int, nn.Parameter] = {}  # id of a full parameter -> its shard
+        self._cut_of: dict[int, TensorShard] = {}  # id of a shard -> how it was cut
         self._hooks: list = []
         self._apply(root)
 
@@ -197,6 +198,7 @@ class TensorParallel:
             local = shard.take(old.detach(), self.rank, self.size).clone()
             new = nn.Parameter(local, requires_grad=old.requires_grad)
             self._replaced[id(old)] = new
+            self._cut_of[id(new)] = shard
         setattr(module, name, new)
 
     def _column(self, block: nn.Module, p: Projection) -> None:
@@ -316,24 +318,9 @@ class TensorParallel:
         )
 
     def _record_names(self, root: nn.Module) -> None:
-        cuts: dict[int, TensorShard] = {}
-        for i, block_plan in enumerate(self.plan.block_plans):
-            block = root.get_submodule(self.plan.block_path(i))
-            att, mlp = block_plan.attention, block_plan.mlp
-            for p in att.column + (mlp.column if mlp else ()):
-                module = block.get_submodule(p.path)
-                cuts[id(module.weight)] = _column_shard(p)
-                if getattr(module, "bias", None) is not None:
-                    cuts[id(module.bias)] = TensorShard(0, p.segments)
-            for p in att.row + (mlp.row if mlp else ()):
-                cuts[id(block.get_submodule(p.path).weight)] = _row_shard(p)
-        for path in (self.plan.embedding, self.plan.head):
-            if path is not None:
-                for param in root.get_submodule(path).parameters(recurse=False):
-                    cuts[id(param)] = TensorShard(0)
         for name, param in root.named_parameters(remove_duplicate=False):
-            if id(param) in cuts:
-                self.shards[name] = cuts[id(param)]
+            if id(param) in self._cut_of:
+                self.shards[name] = self._cut_of[id(param)]
 
     # ------------------------------------------------------------------ gradients
     def register_sequence_parallel_grad_hooks(self, root: nn.Module) -> None:

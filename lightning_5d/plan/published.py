@@ -130,9 +130,11 @@ def _embedding_roles(model: nn.Module, prefix: str) -> dict[str, RoleSpec]:
         ("get_input_embeddings", Role.EMBEDDING),
         ("get_output_embeddings", Role.HEAD),
     ):
+        if not hasattr(model, getter):
+            continue
         try:
             layer = getattr(model, getter)()
-        except (NotImplementedError, AttributeError):  # models without the accessor
+        except NotImplementedError:  # PreTrainedModel's default for models without one
             continue
         path = _path_of(model, layer)
         if path is not None:
