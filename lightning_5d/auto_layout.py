@@ -17,6 +17,10 @@ from torch import nn
 from lightning_5d.config import IMPLEMENTED_DIMS, LayoutError, ParallelConfig
 
 _FP32_PRECISIONS = ("32", "32-true", "64", "64-true")
+# Not cp: at setup the planner cannot see the data's sequence length (it must divide by
+# 2*cp) nor whether batches carry aligned labels, a contract cp needs and a user who gave
+# no sizes never agreed to. `l5d plan` ranks cp layouts for a stated sequence length.
+AUTO_DIMS = IMPLEMENTED_DIMS - {"cp"}
 
 
 def device_memory_gib(device: torch.device, local_processes: int) -> float:
@@ -42,7 +46,7 @@ def planned_config(
         chosen = choose_layout(
             module,
             world_size,
-            available_dims=IMPLEMENTED_DIMS,
+            available_dims=AUTO_DIMS,
             recompute=config.activation_checkpointing,
             precision="fp32" if str(precision) in _FP32_PRECISIONS else "bf16",
             gpus_per_node=local_processes,

@@ -22,7 +22,7 @@ MESH_DIMS = frozenset(DEFAULT_RANK_ORDER)
 
 # Dimensions whose implementation has landed. A size > 1 for any other raises
 # DimensionNotAvailableError instead of silently training without it.
-IMPLEMENTED_DIMS = frozenset({"dp_replicate", "dp_shard", "tp"})
+IMPLEMENTED_DIMS = frozenset({"dp_replicate", "dp_shard", "tp", "cp"})
 
 
 class LayoutError(ValueError):
@@ -62,6 +62,13 @@ class ContextParallelMode(str, Enum):
     ALL_GATHER = "allgather"
 
 
+class SequenceSharding(str, Enum):
+    """How the sequence is cut over the cp ranks."""
+
+    ZIGZAG = "zigzag"  # 2*cp chunks, rank r holds r and 2*cp-1-r: equal causal work per rank
+    CONTIGUOUS = "contiguous"  # cp chunks in order: rank r does r+1 causal blocks
+
+
 @dataclass
 class PipelineConfig:
     schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
@@ -72,7 +79,7 @@ class PipelineConfig:
 @dataclass
 class ContextConfig:
     mode: ContextParallelMode = ContextParallelMode.RING
-    zigzag: bool = True
+    sharding: SequenceSharding = SequenceSharding.ZIGZAG
 
 
 @dataclass
@@ -115,6 +122,7 @@ class ParallelConfig:
                 setattr(self, name, _section_from_mapping(_SECTIONS[name], value, name))
         self.pipeline.schedule = _coerce_enum(PipelineSchedule, self.pipeline.schedule, "pipeline.schedule")
         self.context.mode = _coerce_enum(ContextParallelMode, self.context.mode, "context.mode")
+        self.context.sharding = _coerce_enum(SequenceSharding, self.context.sharding, "context.sharding")
         self.rank_order = tuple(self.rank_order)
         if not isinstance(self.sequence_parallel, bool):
             raise LayoutError(f"sequence_parallel={self.sequence_parallel!r} must be true or false.")

@@ -5,9 +5,9 @@ layout validation to ``config``, ranks and groups to ``mesh``, sharding to ``par
 from __future__ import annotations
 
 import atexit
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
-from typing import Any, Generator, Mapping
+from typing import Any, Callable, Generator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ from lightning_5d.auto_layout import planned_config
 from lightning_5d.config import ActivationCheckpointing, Layout, ParallelConfig, ZeroStage, validate_early
 from lightning_5d.mesh import ParallelMesh
 from lightning_5d.parallel.activation_checkpoint import apply_activation_checkpointing
+from lightning_5d.parallel.context import ContextParallel, ContextParallelError
 from lightning_5d.parallel.data import ZeroDataParallel, broadcast_module
 from lightning_5d.parallel.fsdp import apply_fsdp, set_gradient_sync
 from lightning_5d.parallel.grad_norm import clip_grad_norm_
@@ -102,6 +103,7 @@ class FiveDStrategy(ParallelStrategy):
         self._fsdp_units: list = []
         self._tp: TensorParallel | None = None
         self._tp_sharded_ids: set[int] = set()
+        self._cp: ContextParallel | None = None
         self._in_backward_sync_block = False
         self.num_nodes = 1
 
@@ -123,6 +125,11 @@ class FiveDStrategy(ParallelStrategy):
         if self._mesh is None:
             raise RuntimeError("the device mesh exists only after the process group has started.")
         return self._mesh
+
+    @property
+    def context_parallel(self) -> ContextParallel | None:
+        """The sequence routing under cp > 1 (its ``stats`` count ring-attention work), else None."""
+        return self._cp
 
     @property
     def zero_stage(self) -> ZeroStage:
@@ -241,12 +248,17 @@ class FiveDStrategy(ParallelStrategy):
         if self._fsdp_units:
             return
         broadcast_module(module, self.mesh)
-        if self.mesh.size("tp") > 1:
-            plan = discover(module, self.config.model_plan)
+        tp, cp = self.mesh.size("tp"), self.mesh.size("cp")
+        plan = discover(module, self.config.model_plan) if tp > 1 or cp > 1 else None
+        if plan is not None:
             rank_zero_info(f"[lightning_5d] model plan:\n{describe(plan)}")
+        if tp > 1:
             self._tp = TensorParallel(module, plan, self.mesh["tp"], self.config.sequence_parallel)
             if self.config.sequence_parallel and self.config.zero != ZeroStage.PARAMETERS:
                 self._tp.register_sequence_parallel_grad_hooks(module)
+        if cp > 1:
+            self._cp = ContextParallel(module, plan, self.mesh["cp"], self.config.context)
+            rank_zero_info(f"[lightning_5d] context parallel: {self._cp.describe()}")
         if self.config.activation_checkpointing != ActivationCheckpointing.NONE:
             _, blocks = require_blocks(module, f"activation_checkpointing={self.config.activation_checkpointing.value}")
             apply_activation_checkpointing(blocks, self.config.activation_checkpointing)
@@ -289,6 +301,14 @@ class FiveDStrategy(ParallelStrategy):
             self._zero.start_backward()
 
     @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        try:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        finally:
+            if self._cp is not None:  # routing stayed on for activation-checkpoint recomputation
+                self._cp.end()
+
+    @override
     def post_backward(self, closure_loss: Tensor) -> None:
         if self._zero is not None:
             self._zero.finish_gradient_sync()
@@ -299,26 +319,44 @@ class FiveDStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ steps
     @contextmanager
     def _step_region(self) -> Generator[None, None, None]:
-        if self._tp is None:
+        with ExitStack() as stack:
+            if self._tp is not None:  # the user's F.cross_entropy on vocab-sharded logits
+                stack.enter_context(loss_parallel_region())
+            if self._cp is not None:  # inside TP's: sees F.cross_entropy first, makes it sequence-global
+                stack.enter_context(self._cp.step_region(self.lightning_module))
             yield
-        else:
-            with loss_parallel_region():  # the user's F.cross_entropy on vocab-sharded logits
-                yield
+
+    def _run_step(self, step: Callable[..., Any], args: tuple, kwargs: dict, keep_shard: bool = False) -> Any:
+        if self._cp is not None and args:
+            args = (self._cp.begin(args[0]), *args[1:])
+        try:
+            with self._step_region():
+                return step(*args, **kwargs)
+        finally:
+            if self._cp is not None and not keep_shard:
+                self._cp.end()
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._step_region():
-            return super().training_step(*args, **kwargs)
+        # The shard stays current through backward (activation-checkpoint recomputation); see backward.
+        return self._run_step(super().training_step, args, kwargs, keep_shard=True)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._step_region():
-            return super().validation_step(*args, **kwargs)
+        return self._run_step(super().validation_step, args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._step_region():
-            return super().test_step(*args, **kwargs)
+        return self._run_step(super().test_step, args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._cp is not None:
+            raise ContextParallelError(
+                f"predict under cp={self._cp.size} would return each rank's sequence shard; run predict with a "
+                f"FiveDStrategy with cp=1 (checkpoints hold full tensors and load there unchanged)."
+            )
+        return super().predict_step(*args, **kwargs)
 
     def _clip_grad_by_norm(self, optimizer, clip_val: int | float) -> None:
         assert self._tp is not None

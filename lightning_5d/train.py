@@ -103,6 +103,10 @@ def validate(cfg: DictConfig):
             raise ConfigError(f"model: {err}") from None
         if layout.tp > 1:
             _check_tensor_parallel(model_config, parallel, layout.tp)
+    if layout.cp > 1 and "data" in cfg and "seq_len" in cfg.data:
+        from lightning_5d.parallel.context_batch import check_sequence_length
+
+        check_sequence_length(_positive_int(cfg.data, "seq_len"), layout.cp, parallel.context.sharding)
     mode = cfg.launcher.mode
     if mode not in ("auto", "torchrun", "inprocess"):
         raise ConfigError(f"launcher.mode={mode!r} must be one of 'auto', 'torchrun', 'inprocess'.")

@@ -28,11 +28,11 @@ Two communication modes (values of :class:`lightning_5d.config.ContextParallelMo
 * ``allgather``: the full K/V is gathered once (more memory, one collective); backward
   re-gathers it and reduce-scatters dK/dV.
 
-Causal attention with ``zigzag=True`` expects the zig-zag layout (:func:`zigzag_shard`):
+Causal attention with ``sharding="zigzag"`` expects the zig-zag layout (:func:`zigzag_shard`):
 the sequence cut into ``2·cp`` chunks, rank ``r`` holding chunks ``r`` and ``2·cp−1−r``.
 Fully masked block products are skipped and the causal mask is applied only on the
 diagonal block, so every rank does the same amount of work (see :func:`block_schedule`).
-With ``zigzag=False`` the layout is contiguous (:func:`contiguous_shard`) and rank ``r``
+With ``"contiguous"`` the layout is contiguous (:func:`contiguous_shard`) and rank ``r``
 computes ``r+1`` blocks: the work is unbalanced.
 
 Grouped-query attention (fewer KV heads than query heads) is handled by broadcasting
@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_5d.config import ContextParallelMode
+from lightning_5d.config import ContextParallelMode, SequenceSharding
 
 __all__ = [
     "BlockProduct",
@@ -396,19 +396,20 @@ def ring_attention(
     *,
     causal: bool,
     mode: ContextParallelMode | str = ContextParallelMode.RING,
-    zigzag: bool = True,
+    sharding: SequenceSharding | str = SequenceSharding.ZIGZAG,
     scale: float | None = None,
     stats: dict | None = None,
 ) -> Tensor:
     """Attention of the local queries against the whole sequence sharded over ``group``.
 
     ``q``: ``[b, hq, s_local, d]``; ``k``, ``v``: ``[b, hkv, s_local, d]`` with ``hq % hkv == 0``.
-    For causal attention the shards must follow :func:`zigzag_shard` (``zigzag=True``) or
-    :func:`contiguous_shard` (``zigzag=False``); non-causal attention accepts either.
+    For causal attention the shards must follow :func:`zigzag_shard` (``sharding="zigzag"``) or
+    :func:`contiguous_shard` (``"contiguous"``); non-causal attention accepts either.
     ``stats``: optional dict; the work done (quarter-block units, see :class:`BlockProduct`)
     is added under ``"forward_units"`` / ``"backward_units"``. Returns ``[b, hq, s_local, d]``.
     """
     mode = ContextParallelMode(mode.value if isinstance(mode, Enum) else mode)
+    zigzag = SequenceSharding(sharding.value if isinstance(sharding, Enum) else sharding) is SequenceSharding.ZIGZAG
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"expected [b, heads, s_local, d] tensors, got q {tuple(q.shape)}, k {tuple(k.shape)}")
     if k.shape != v.shape:

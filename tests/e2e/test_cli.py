@@ -101,6 +101,15 @@ def test_tp_that_does_not_fit_the_heads_fails_before_launch():
         validate(compose(["parallel.tp=8", "devices=8"]))
 
 
+def test_sequence_that_cp_cannot_cut_fails_before_launch():
+    from lightning_5d.parallel.context import ContextParallelError
+    from lightning_5d.train import compose, validate
+
+    assert validate(compose(["recipe=tiny_cp"])).cp == 2
+    with pytest.raises(ContextParallelError, match=r"sequence length 510 is not divisible by 2\*cp=4"):
+        validate(compose(["recipe=tiny_cp", "data.seq_len=510"]))
+
+
 def test_command_line_beats_recipe():
     from lightning_5d.train import compose
 
@@ -173,3 +182,18 @@ def test_multirun_each_job_has_its_summary(tmp_path):
     # Same data and initial weights: ZeRO changes where state lives, not the numbers.
     assert zero3["loss"] == pytest.approx(zero0["loss"], rel=1e-4)
     assert zero3["model_state_mib_max"] < zero0["model_state_mib_max"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_cp_recipe_trains_and_validates(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = l5d(
+        "train", "recipe=tiny_cp", "devices=2", "trainer.max_steps=4", "trainer.limit_val_batches=2",
+        "+trainer.val_check_interval=2", f"hydra.run.dir={run_dir}", cwd=tmp_path, timeout=270,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    line = summary_line(proc.stdout)
+    assert line["layout"] == "cp:2" and line["recipe"] == "tiny_cp" and math.isfinite(float(line["loss"]))
+    check_summary(run_dir, steps=4, world=2, zero=1, data_ranks=1)  # cp=2: one data rank

@@ -34,7 +34,7 @@ def test_layout_that_does_not_divide_names_the_numbers(kwargs, world, needle):
     assert str(world) in str(err.value)
 
 
-@pytest.mark.parametrize("dim", ["cp", "pp"])
+@pytest.mark.parametrize("dim", ["pp"])
 def test_dimension_not_available_yet_is_an_error_not_a_fallback(dim):
     with pytest.raises(DimensionNotAvailableError, match=f"{dim}=2: this dimension is not available yet"):
         ParallelConfig(**{dim: 2}).resolve(4)
@@ -76,3 +76,11 @@ def test_from_mapping_coerces_strings_like_hydra_gives_them():
 def test_rank_order_is_configurable():
     order = ("dp_replicate", "pp", "dp_shard", "tp", "cp")
     assert ParallelConfig(rank_order=order).resolve(2).rank_order == order
+
+
+def test_context_sharding_is_an_enum_with_a_named_error():
+    from lightning_5d.config import SequenceSharding
+
+    assert ParallelConfig(cp=2, context={"sharding": "contiguous"}).context.sharding is SequenceSharding.CONTIGUOUS
+    with pytest.raises(LayoutError, match="context.sharding"):
+        ParallelConfig(context={"sharding": "spiral"})

@@ -16,17 +16,9 @@ import torch
 from hf_support import hf_reference_run
 from lightning_5d.testing import run_distributed
 from reference import reference_run
-from tests_support import SCRIPTS, parameter_vector_error, run_layout
+from tests_support import SCRIPTS, assert_equivalent, run_layout
 
 STEPS = 5
-LOSS_RTOL = 1e-5
-PARAM_RTOL = 1e-5
-
-
-def assert_equivalent(losses, params, ref_losses, ref_params):
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=LOSS_RTOL, atol=0)
-    error = parameter_vector_error(params, ref_params)
-    assert error <= PARAM_RTOL, f"parameters differ by {error:.2e} relative"
 
 
 # (nproc, tp, sp, zero, model, accumulate, clip, extra script args): the reference model

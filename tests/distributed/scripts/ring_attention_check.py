@@ -37,9 +37,7 @@ def rel(x, ref):
 
 
 records = []
-combos = itertools.product(
-    args.dtypes.split(","), ("ring", "allgather"), (False, True), (False, True), (HQ, HQ // 2)
-)
+combos = itertools.product(args.dtypes.split(","), ("ring", "allgather"), (False, True), (False, True), (HQ, HQ // 2))
 for dtype_name, mode, causal, zigzag, hkv in combos:
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator().manual_seed(1234)
@@ -55,7 +53,9 @@ for dtype_name, mode, causal, zigzag, hkv in combos:
     shard = (lambda x: zigzag_shard(x, 2, rank, cp)) if zigzag else (lambda x: contiguous_shard(x, 2, rank, cp))
     ql, kl, vl = (shard(t).clone().requires_grad_() for t in (q, k, v))
     stats = {}
-    out = ring_attention(ql, kl, vl, group, causal=causal, mode=mode, zigzag=zigzag, stats=stats)
+    out = ring_attention(
+        ql, kl, vl, group, causal=causal, mode=mode, sharding="zigzag" if zigzag else "contiguous", stats=stats
+    )
     out.backward(shard(grad_out))
     assert out.dtype == dtype and ql.grad.dtype == dtype and kl.grad.dtype == dtype
     mine = {"out": out.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}

@@ -48,13 +48,13 @@ SCRIPTS = Path(__file__).parent
 
 def run_layout(out: Path, nproc: int, zero: int, dp_replicate: int = 1, accumulate: int = 1, clip=None,
                steps: int = 5, precision: str = "32-true", extra=(), tp: int = 1, sp: bool = False,
-               model: str = "tiny"):  # fmt: skip
+               model: str = "tiny", cp: int = 1):  # fmt: skip
     """Train TINY under FiveDStrategy on ``nproc`` processes; returns (result.json, final params)."""
     from lightning_5d.testing import run_distributed
 
     args = ["--zero", str(zero), "--dp-replicate", str(dp_replicate), "--accumulate", str(accumulate),
             "--steps", str(steps), "--precision", precision, "--out", str(out), "--tp", str(tp),
-            "--model", model, *(["--sp"] if sp else []), *extra]  # fmt: skip
+            "--model", model, "--cp", str(cp), *(["--sp"] if sp else []), *extra]  # fmt: skip
     if clip is not None:
         args += ["--clip", str(clip)]
     run_distributed(SCRIPTS / "train_llama.py", nproc, args, timeout=240).check()
@@ -67,3 +67,14 @@ def parameter_vector_error(params: dict, ref_params: dict) -> float:
     diff = sum((params[k].double() - v.double()).norm() ** 2 for k, v in ref_params.items()) ** 0.5
     total = sum(v.double().norm() ** 2 for v in ref_params.values()) ** 0.5
     return float(diff / total)
+
+
+LOSS_RTOL = 1e-5
+PARAM_RTOL = 1e-5
+
+
+def assert_equivalent(losses, params, ref_losses, ref_params):
+    """Every step's loss within 1e-5 relative; the parameter vector within 1e-5 relative."""
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=LOSS_RTOL, atol=0)
+    error = parameter_vector_error(params, ref_params)
+    assert error <= PARAM_RTOL, f"parameters differ by {error:.2e} relative"

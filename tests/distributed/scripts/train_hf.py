@@ -20,6 +20,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--model", required=True, choices=["llama", "qwen2", "gpt2"])
 parser.add_argument("--tp", type=int, default=1)
 parser.add_argument("--sp", action="store_true")
+parser.add_argument("--cp", type=int, default=1)
+parser.add_argument("--cp-mode", default="ring", choices=["ring", "allgather"])
 parser.add_argument("--zero", type=int, default=1)
 parser.add_argument("--steps", type=int, default=5)
 parser.add_argument("--precision", default="32-true")
@@ -28,7 +30,10 @@ args = parser.parse_args()
 
 L.seed_everything(0)
 module = CausalLM(args.model)
-strategy = lightning_5d.FiveDStrategy(tp=args.tp, sequence_parallel=args.sp, zero=args.zero, bucket_size_mb=0.05)
+strategy = lightning_5d.FiveDStrategy(
+    tp=args.tp, cp=args.cp, context={"mode": args.cp_mode}, sequence_parallel=args.sp, zero=args.zero,
+    bucket_size_mb=0.05,
+)
 trainer = L.Trainer(
     accelerator="cpu",
     strategy=strategy,

@@ -23,6 +23,9 @@ parser.add_argument("--zero", default="1", help="0-3, or 'auto': Trainer(strateg
 parser.add_argument("--dp-replicate", type=int, default=1)
 parser.add_argument("--tp", type=int, default=1)
 parser.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
+parser.add_argument("--cp", type=int, default=1)
+parser.add_argument("--cp-mode", default="ring", choices=["ring", "allgather"])
+parser.add_argument("--cp-sharding", default="zigzag", choices=["zigzag", "contiguous"])
 parser.add_argument("--model", default="tiny", choices=sorted(MODELS))
 parser.add_argument("--accumulate", type=int, default=1)
 parser.add_argument("--clip", type=float, default=None)
@@ -67,6 +70,8 @@ else:
     strategy = lightning_5d.FiveDStrategy(
         dp_replicate=args.dp_replicate,
         tp=args.tp,
+        cp=args.cp,
+        context={"mode": args.cp_mode, "sharding": args.cp_sharding},
         sequence_parallel=args.sp,
         zero=int(args.zero),
         activation_checkpointing=args.ac,
@@ -100,7 +105,13 @@ dist.all_reduce(losses, group=strategy.mesh.group("dp"))
 losses /= strategy.mesh.data_size
 state = strategy.lightning_module_state_dict()  # full tensors, whatever the layout
 per_rank = [None] * dist.get_world_size()
-dist.all_gather_object(per_rank, {**measure.bytes, "activations": measure.activations})
+logged = trainer.callback_metrics.get("train_loss")  # what the unchanged training_step logged last
+record = {
+    **measure.bytes,
+    "activations": measure.activations,
+    "logged_train_loss": None if logged is None else float(logged),
+}
+dist.all_gather_object(per_rank, record)
 if dist.get_rank() == 0:
     out = Path(args.out)
     torch.save({k: v.detach().clone() for k, v in state.items()}, out / "params.pt")

@@ -116,4 +116,4 @@ def test_bad_shapes():
     with pytest.raises(ValueError, match="multiple of kv heads"):
         ring_attention(q, torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), None, causal=False)
     with pytest.raises(ValueError, match="even local sequence"):
-        ring_attention(q[:, :, :3], q[:, :, :3], q[:, :, :3], None, causal=True, zigzag=True)
+        ring_attention(q[:, :, :3], q[:, :, :3], q[:, :, :3], None, causal=True, sharding="zigzag")

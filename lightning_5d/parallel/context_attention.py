@@ -1,0 +1,197 @@
+"""Routing an unchanged model's attention to ring attention over the cp ranks.
+
+Two routes, chosen per model at setup:
+
+* **SDPA call**: the attention modules found by discovery run under a ``TorchFunctionMode``
+  that turns their ``F.scaled_dot_product_attention`` call into :func:`ring_attention`.
+  Only those modules are intercepted, and only while a sequence shard is current, so SDPA
+  elsewhere (a metric, a callback's generation) is left alone. Activation-checkpoint
+  recomputation in backward goes through the same module forward, so it is routed too.
+* **Hugging Face attention interface**: Hugging Face models pick their kernel by name from
+  ``config._attn_implementation``; we register ours under :data:`HF_IMPLEMENTATION` and
+  switch the model to it. Because the name has no mask function, Hugging Face builds no
+  attention mask (ring attention applies the causal structure itself), which is also why
+  zig-zag position ids are not mistaken for packed sequences.
+
+What ring attention cannot honour is refused with the reason: explicit masks (padding,
+documents), attention dropout, sliding windows, keys of another length (caches,
+cross-attention), attention that spells out the softmax instead of calling a kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from lightning_5d.parallel.context_batch import ContextParallelError
+from lightning_5d.parallel.ring_attention import ring_attention
+from lightning_5d.plan.model_plan import AttentionKernel, ModelPlan
+
+if TYPE_CHECKING:
+    from lightning_5d.parallel.context import ContextParallel
+
+HF_IMPLEMENTATION = "lightning_5d_ring"
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+# The ContextParallel whose step is running, for the Hugging Face interface function,
+# which Hugging Face calls without any handle of ours.
+_ACTIVE: list["ContextParallel"] = []
+
+
+def attend(
+    cp: "ContextParallel", q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float | None,
+    mask: Any = None, dropout: float = 0.0, where: str = "attention",
+) -> Tensor:  # fmt: skip
+    """Ring attention of this rank's queries ([b, h, s_local, d]) over the whole sequence."""
+    if mask is not None:
+        raise ContextParallelError(
+            f"{where} got an explicit attention mask of shape {tuple(getattr(mask, 'shape', ()))}; ring attention "
+            f"under cp={cp.size} applies causal (or full) attention itself and takes no mask. Drop padding/"
+            f"document masks and mark padded positions with label -100 (right padding is then exact), or use cp=1."
+        )
+    if dropout and torch.is_grad_enabled():
+        raise ContextParallelError(
+            f"{where} uses attention dropout p={dropout}, which ring attention does not implement; set the "
+            f"model's attention dropout to 0 for cp={cp.size}."
+        )
+    if q.size(-2) != k.size(-2) or q.size(-2) != cp.current_shard.local_len:
+        raise ContextParallelError(
+            f"{where}: {q.size(-2)} queries against {k.size(-2)} keys, but this rank holds "
+            f"{cp.current_shard.local_len} tokens; under cp={cp.size} attention must be self-attention over the "
+            f"step's sequence shard (no KV cache, no cross-attention)."
+        )
+    cp.attention_calls += 1
+    return ring_attention(q, k, v, cp.group, causal=causal, mode=cp.mode, sharding=cp.sharding, scale=scale,
+                          stats=cp.stats)  # fmt: skip
+
+
+class _SdpaAsRing(TorchFunctionMode):
+    def __init__(self, cp: "ContextParallel", where: str) -> None:
+        super().__init__()
+        self.cp, self.where = cp, where
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        bound = {**dict(zip(_SDPA_ARGS, args)), **kwargs}
+        return attend(
+            self.cp, bound["query"], bound["key"], bound["value"],
+            causal=bool(bound.get("is_causal", False)), scale=bound.get("scale"), mask=bound.get("attn_mask"),
+            dropout=bound.get("dropout_p", 0.0), where=self.where,
+        )  # fmt: skip
+
+
+def route_sdpa(cp: "ContextParallel", attention: nn.Module, where: str) -> None:
+    """Make ``attention``'s SDPA call ring attention while a shard is current."""
+    original = attention.forward
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if cp.current is None:
+            return original(*args, **kwargs)
+        with _SdpaAsRing(cp, where):
+            return original(*args, **kwargs)
+
+    attention.forward = forward
+
+
+def hf_ring_attention(
+    module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+    dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None, **kwargs: Any,
+) -> tuple[Tensor, None]:  # fmt: skip
+    """The Hugging Face attention-interface function; SDPA when no shard is current."""
+    if not _ACTIVE or _ACTIVE[-1].current is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    cp = _ACTIVE[-1]
+    where = type(module).__name__
+    if kwargs.get("sliding_window") is not None:
+        raise ContextParallelError(
+            f"{where} uses a sliding window ({kwargs['sliding_window']}), which ring attention does not implement "
+            f"yet; use cp=1 for this model."
+        )
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    out = attend(cp, query, key, value, causal=causal, scale=scaling, mask=attention_mask, dropout=dropout,
+                 where=where)  # fmt: skip
+    return out.transpose(1, 2).contiguous(), None
+
+
+def hugging_face_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost Hugging Face ``PreTrainedModel``s inside ``module`` (empty without transformers)."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return []
+    found: list[tuple[str, nn.Module]] = []
+    for name, sub in module.named_modules():
+        if isinstance(sub, PreTrainedModel) and not any(name.startswith(f"{n}.") or not n for n, _ in found):
+            found.append((name, sub))
+    return found
+
+
+def route_hugging_face(cp: "ContextParallel", models: list[tuple[str, nn.Module]]) -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(HF_IMPLEMENTATION, hf_ring_attention)
+    for name, model in models:
+        if not model._can_set_attn_implementation():
+            raise ContextParallelError(
+                f"{name or 'the model'} ({type(model).__name__}) does not dispatch attention through Hugging Face's "
+                f"AttentionInterface, so cp={cp.size} cannot route it to ring attention; use cp=1 for this model."
+            )
+        model.set_attn_implementation(HF_IMPLEMENTATION)
+        model.register_forward_pre_hook(functools.partial(_check_hf_call, cp, name), with_kwargs=True)
+
+
+def _check_hf_call(cp: "ContextParallel", name: str, model: nn.Module, args: tuple, kwargs: dict) -> None:
+    if cp.current is None:
+        return
+    if kwargs.get("labels") is not None:
+        raise ContextParallelError(
+            f"{name or 'the model'}({type(model).__name__}) was called with labels=: Hugging Face's own loss shifts "
+            f"the labels inside each sequence shard under cp={cp.size}, losing every chunk's boundary token. Compute "
+            f"the loss in training_step from aligned labels: F.cross_entropy(out.logits.flatten(0, 1), "
+            f"batch['labels'].flatten())."
+        )
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, Tensor):
+        # Every cp rank must agree, or one would raise while the others enter the ring.
+        padded = (mask == 0).any().to(torch.int32).reshape(1)
+        dist.all_reduce(padded, op=dist.ReduceOp.MAX, group=cp.group)
+        if padded.item():
+            raise ContextParallelError(
+                f"the batch's attention_mask marks padding; ring attention under cp={cp.size} takes no padding "
+                f"mask. Pack or right-pad sequences, mark padding with label -100 and drop attention_mask, or use cp=1."
+            )
+        kwargs["attention_mask"] = None  # all ones: nothing to mask
+        return args, kwargs
+    return None
+
+
+def route_attention(cp: "ContextParallel", module: nn.Module, plan: ModelPlan) -> str:
+    """Install the route for every block's attention; returns a one-line description."""
+    models = hugging_face_models(module)
+    if models:
+        route_hugging_face(cp, models)
+        return f"Hugging Face attention interface '{HF_IMPLEMENTATION}'"
+    for i, block in enumerate(plan.block_plans):
+        path = f"{plan.block_path(i)}.{block.attention.path}"
+        attention = module.get_submodule(path)
+        where = f"{path} ({type(attention).__name__})"
+        if block.attention.kernel is AttentionKernel.EXPLICIT_SOFTMAX:
+            raise ContextParallelError(
+                f"{where} computes softmax(QKᵀ)V itself, which ring attention cannot replace; call "
+                f"F.scaled_dot_product_attention in its forward to use cp={cp.size}, or use cp=1."
+            )
+        route_sdpa(cp, attention, where)
+    return "F.scaled_dot_product_attention in each block's attention"

@@ -1,0 +1,152 @@
+"""Context parallelism of unchanged models: training equivalence, per-rank work and memory, bad input.
+
+Equivalence runs train under FiveDStrategy(cp=...) and the same module in one process,
+fp32, 5 steps: every step's loss within 1e-5 relative and the parameter vector within
+1e-5 relative (as in test_tensor.py). The fast tier runs cp=2 on the reference model,
+cp x dp with ZeRO-3 and Hugging Face Llama at cp=2; the rest is slow.
+"""
+
+import json
+
+import pytest
+import torch
+
+from hf_support import hf_reference_run
+from lightning_5d.testing import run_distributed
+from reference import reference_run
+from tests_support import LOSS_RTOL, PARAM_RTOL, SCRIPTS, assert_equivalent, run_layout
+
+STEPS = 5
+
+
+# (nproc, cp, tp, sp, zero, accumulate, clip, extra script args): the reference model
+REFERENCE_FAST = [
+    (2, 2, 1, False, 1, 1, None, ("--ac", "full")),  # recomputation in backward goes through the ring too
+    (4, 2, 1, False, 3, 1, None, ()),  # cp x dp_shard=2 with ZeRO-3
+]
+REFERENCE_FULL = [
+    (2, 2, 1, False, 1, 2, 0.5, ()),
+    (4, 4, 1, False, 1, 1, None, ()),
+    (4, 4, 1, False, 2, 1, None, ("--cp-mode", "allgather")),
+    (2, 2, 1, False, 0, 1, None, ("--cp-sharding", "contiguous")),
+    (4, 2, 2, True, 1, 1, None, ()),  # cp x tp with sequence parallelism
+    (4, 2, 2, False, 3, 1, None, ()),  # cp x tp, FSDP2 over cp
+    (4, 2, 1, False, 1, 2, 0.5, ()),  # cp x dp, gradient accumulation and clipping
+]
+REF_PARAMS = "nproc,cp,tp,sp,zero,accumulate,clip,extra"
+
+
+def check_reference(tmp_path, nproc, cp, tp, sp, zero, accumulate, clip, extra):
+    result, params = run_layout(
+        tmp_path, nproc, zero, accumulate=accumulate, clip=clip, steps=STEPS, tp=tp, sp=sp, cp=cp, extra=extra
+    )
+    layout = result["layout"]
+    assert (layout["cp"], layout["tp"]) == (cp, tp)
+    ref_losses, ref_params = reference_run(STEPS, nproc // (cp * tp), accumulate, clip)
+    assert_equivalent(result["losses"], params, ref_losses, ref_params)
+    # What the unchanged training_step logged is its data rank's whole-sequence loss, identical on
+    # the cp (and tp) ranks that share those sequences; ranks are data-rank major (pp, dp, cp, tp).
+    logged = [r["logged_train_loss"] for r in result["model_state_bytes"]]
+    per_data_rank = [logged[i : i + cp * tp] for i in range(0, nproc, cp * tp)]
+    assert all(len(set(group)) == 1 for group in per_data_rank), f"cp/tp peers logged different values: {logged}"
+    mean = sum(group[0] for group in per_data_rank) / len(per_data_rank)
+    assert mean == pytest.approx(ref_losses[-1], rel=LOSS_RTOL)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(REF_PARAMS, REFERENCE_FAST)
+def test_reference_model_matches_single_process(tmp_path, nproc, cp, tp, sp, zero, accumulate, clip, extra):
+    check_reference(tmp_path, nproc, cp, tp, sp, zero, accumulate, clip, extra)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(REF_PARAMS, REFERENCE_FULL)
+def test_reference_model_matches_single_process_full(tmp_path, nproc, cp, tp, sp, zero, accumulate, clip, extra):
+    check_reference(tmp_path, nproc, cp, tp, sp, zero, accumulate, clip, extra)
+
+
+# (nproc, cp, tp, sp, zero): Hugging Face LlamaForCausalLM in the obvious LightningModule
+HF_FAST = [(2, 2, 1, False, 1)]
+HF_FULL = [(4, 4, 1, False, 1), (4, 2, 2, True, 1), (4, 2, 1, False, 3), (2, 2, 1, False, 1, "allgather")]
+HF_PARAMS = "nproc,cp,tp,sp,zero"
+
+
+def check_hf(tmp_path, nproc, cp, tp, sp, zero, mode="ring"):
+    pytest.importorskip("transformers")
+    args = ["--model", "llama", "--cp", str(cp), "--cp-mode", mode, "--tp", str(tp), "--zero", str(zero),
+            "--steps", str(STEPS), "--out", str(tmp_path), *(["--sp"] if sp else [])]  # fmt: skip
+    run_distributed(SCRIPTS / "train_hf.py", nproc, args, timeout=240).check()
+    losses = json.loads((tmp_path / "result.json").read_text())["losses"]
+    ref_losses, ref_params = hf_reference_run("llama", STEPS, nproc // (cp * tp))
+    assert_equivalent(losses, torch.load(tmp_path / "params.pt"), ref_losses, ref_params)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(HF_PARAMS, HF_FAST)
+def test_hugging_face_llama_matches_single_process(tmp_path, nproc, cp, tp, sp, zero):
+    check_hf(tmp_path, nproc, cp, tp, sp, zero)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", HF_FULL, ids=str)
+def test_hugging_face_llama_matches_single_process_full(tmp_path, case):
+    check_hf(tmp_path, *case)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+def test_model_with_a_length_sliced_rope_cache_matches_single_process(tmp_path):
+    out = tmp_path / "result.json"
+    run_distributed(SCRIPTS / "cp_cases.py", 2, ["--case", "rope_cache", "--out", str(out)], timeout=150).check()
+    result = json.loads(out.read_text())
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(result["ref_losses"]), rtol=1e-5, atol=0)
+    assert result["param_error"] <= PARAM_RTOL
+
+
+# ---------------------------------------------------------------- per-rank work and memory
+def probe(tmp_path, cp, sharding="zigzag"):
+    out = tmp_path / f"probe_{cp}_{sharding}.json"
+    args = ["--sharding", sharding, "--seq", "128", "--out", str(out)]
+    run_distributed(SCRIPTS / "cp_attention_probe.py", cp, args, timeout=150).check()
+    return json.loads(out.read_text())["per_rank"]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_attention_activations_fall_by_cp_and_zigzag_balances_work(tmp_path):
+    measured = {cp: probe(tmp_path, cp) for cp in (1, 2, 4)}
+    full = measured[1][0]["attention_bytes"]
+    for cp in (2, 4):
+        per_rank = [r["attention_bytes"] for r in measured[cp]]
+        for value in per_rank:  # fixed global sequence: each rank saves 1/cp of it
+            assert value / full == pytest.approx(1 / cp, rel=0.05), (cp, per_rank, full)
+        work = [(r["stats"]["forward_units"], r["stats"]["backward_units"]) for r in measured[cp]]
+        assert len(set(work)) == 1, f"zig-zag work differs between ranks: {work}"
+    contiguous = [r["stats"]["forward_units"] for r in probe(tmp_path, 4, "contiguous")]
+    assert contiguous == sorted(contiguous) and len(set(contiguous)) == 4, contiguous  # rank r: r+1 blocks
+    assert sum(contiguous) == sum(r["stats"]["forward_units"] for r in measured[4])  # same total work
+
+
+# ---------------------------------------------------------------- bad input
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("no_positions", "takes no position_ids and no rotary module with a seq_len argument"),
+        ("explicit_softmax", "computes softmax(QKᵀ)V itself, which ring attention cannot replace"),
+        ("unlabelled", "carries no labels"),
+        ("bad_seq", "sequence length 30 is not divisible by 2*cp=4"),
+    ],
+)
+def test_what_cp_cannot_run_fails_before_any_optimizer_step(case, message):
+    run = run_distributed(SCRIPTS / "cp_cases.py", 2, ["--case", case], timeout=150)
+    assert run.returncode != 0
+    assert message in run.output, run.output[-3000:]
+    assert "OPTIMIZER STEP RAN" not in run.output
