@@ -305,8 +305,8 @@ class FiveDStrategy(ParallelStrategy):
         try:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         finally:
-            if self._cp is not None:  # routing stayed on for activation-checkpoint recomputation
-                self._cp.end()
+            if self._cp is not None and self.lightning_module.automatic_optimization:
+                self._cp.end()  # routing stayed on for activation-checkpoint recomputation
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
@@ -331,15 +331,22 @@ class FiveDStrategy(ParallelStrategy):
             args = (self._cp.begin(args[0]), *args[1:])
         try:
             with self._step_region():
-                return step(*args, **kwargs)
-        finally:
-            if self._cp is not None and not keep_shard:
+                out = step(*args, **kwargs)
+        except BaseException:
+            if self._cp is not None:
                 self._cp.end()
+            raise
+        if self._cp is not None and not keep_shard:
+            self._cp.end()
+        return out
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        # The shard stays current through backward (activation-checkpoint recomputation); see backward.
-        return self._run_step(super().training_step, args, kwargs, keep_shard=True)
+        # Automatic optimization runs backward after the step returns: the shard stays current
+        # until then, for activation-checkpoint recomputation (see backward). Manual
+        # optimization runs its backward(s) inside the step.
+        automatic = self.lightning_module.automatic_optimization
+        return self._run_step(super().training_step, args, kwargs, keep_shard=automatic)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -22,16 +22,19 @@ same weights; gradients are averaged over dp×cp by the data-parallel engine (th
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
+import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
 from lightning_5d.config import ContextConfig
 from lightning_5d.parallel import context_attention
-from lightning_5d.parallel.context_attention import route_attention
+from lightning_5d.parallel.context_attention import HuggingFaceSwitch, hugging_face_models, route_attention
 from lightning_5d.parallel.context_batch import ContextParallelError, SequenceShard, shard_batch
 from lightning_5d.parallel.context_loss import global_cross_entropy, global_metric
 from lightning_5d.parallel.context_positions import route_positions
@@ -52,15 +55,34 @@ class ContextParallel:
         self.current: SequenceShard | None = None
         self.attention_calls = 0
         self.stats: dict[str, int] = {}  # ring-attention work, in quarter-block units
-        self._global_ids: set[int] = set()
+        self.undo: list[Callable[[], None]] = []  # removes every hook and wrapper installed below
+        self._global: list[Tensor] = []  # this step's sequence-global values (held: ids get reused)
+        self._checked_peers = False
+        previous = getattr(module, _ATTACHED, None)
+        if previous is not None:  # a new Trainer on the same module: one set of hooks, not two
+            previous.remove()
+        hf_models = hugging_face_models(module)
         self.attention_route = route_attention(self, module, plan)
-        self.position_route = route_positions(self, module, plan)
+        self.position_route = route_positions(
+            self, module, plan, [(f"{n}.base_model", m.base_model) for n, m in hf_models]
+        )
+        self._hf = HuggingFaceSwitch(hf_models)
+        object.__setattr__(module, _ATTACHED, self)
+        self._module = module
 
     def describe(self) -> str:
         return (
             f"cp={self.size} ({self.mode.value}, {self.sharding.value}); attention: {self.attention_route}; "
             f"positions: {self.position_route}"
         )
+
+    def remove(self) -> None:
+        self.end()
+        for undo in reversed(self.undo):
+            undo()
+        self.undo.clear()
+        if getattr(self._module, _ATTACHED, None) is self:
+            object.__delattr__(self._module, _ATTACHED)
 
     @property
     def current_shard(self) -> SequenceShard:
@@ -71,17 +93,40 @@ class ContextParallel:
     # ------------------------------------------------------------------ per step
     def begin(self, batch: Any) -> Any:
         """Cut the step's batch; routing stays on until :meth:`end` (backward recomputation included)."""
+        shard = shard_batch(batch, self.rank, self.size, self.sharding)
+        self.current = shard
+        if not self._checked_peers:
+            self._check_peers_read_the_same_batch(batch, shard.seq_len)
         if self not in context_attention._ACTIVE:
             context_attention._ACTIVE.append(self)
-        self.current = shard_batch(batch, self.rank, self.size, self.sharding)
+        self._hf.on()
         self.attention_calls = 0
-        self._global_ids.clear()
-        return self.current.batch
+        self._global.clear()
+        return shard.batch
 
     def end(self) -> None:
         self.current = None
+        self._global.clear()
+        self._hf.off()
         if self in context_attention._ACTIVE:
             context_attention._ACTIVE.remove(self)
+
+    def _check_peers_read_the_same_batch(self, batch: Any, seq_len: int) -> None:
+        """Once: cp peers must cut the same sequences (per-rank augmentation or worker seeds would not)."""
+        self._checked_peers = True
+        digest = torch.tensor(seq_len, dtype=torch.int64)
+        for t in _tensors(batch):
+            if not t.is_floating_point():
+                digest = digest + t.sum().to(torch.int64).cpu()
+        device = self.current_shard.positions.device if self.current is not None else digest.device
+        extremes = torch.stack([digest, -digest]).to(device)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group)
+        if int(extremes[0]) != -int(extremes[1]):  # max != min: some peer read something else
+            raise ContextParallelError(
+                f"the cp={self.size} ranks of one data rank read different batches (sequence length or content); "
+                f"cp peers must load the same samples. Seed data workers and random augmentation by the data "
+                f"rank (trainer.strategy.mesh.data_rank), not the global rank."
+            )
 
     @contextmanager
     def step_region(self, module: nn.Module) -> Iterator[None]:
@@ -90,7 +135,9 @@ class ContextParallel:
         original = module.log
 
         def log(name: str, value: Any, *args: Any, **kwargs: Any) -> Any:
-            return original(name, global_metric(self, value), *args, **kwargs)
+            if not kwargs.get("rank_zero_only", False):  # a rank-0-only call has no peers to meet
+                value = global_metric(self, value)
+            return original(name, value, *args, **kwargs)
 
         module.log = log
         try:
@@ -105,15 +152,24 @@ class ContextParallel:
             raise ContextParallelError(
                 f"no attention call went through ring attention during this step under cp={self.size}: the "
                 f"model's attention ran on its shard alone, which is wrong. Route it through "
-                f"F.scaled_dot_product_attention (or Hugging Face attn_implementation='sdpa'), or use cp=1."
+                f"F.scaled_dot_product_attention in the attention modules discovery maps, or use cp=1."
             )
 
     def mark_global(self, value: Tensor) -> Tensor:
-        self._global_ids.add(id(value))
+        self._global.append(value)
         return value
 
     def is_global(self, value: Tensor) -> bool:
-        return id(value) in self._global_ids
+        return any(value is g for g in self._global)
+
+
+_ATTACHED = "_lightning_5d_context_parallel"
+
+
+def _tensors(batch: Any) -> list[Tensor]:
+    out: list[Tensor] = []
+    apply_to_collection(batch, Tensor, out.append)
+    return out
 
 
 class _GlobalLoss(TorchFunctionMode):
@@ -125,4 +181,11 @@ class _GlobalLoss(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.cross_entropy:
             return global_cross_entropy(self.cp, func, args, kwargs)
+        if func is F.scaled_dot_product_attention:
+            # Routed attention modules intercept their SDPA call before it gets here.
+            raise ContextParallelError(
+                f"an F.scaled_dot_product_attention call outside the attention modules discovery mapped ran on this "
+                f"rank's shard alone under cp={self.cp.size} (a second model, or attention outside the blocks); "
+                f"map it with model_plan, or use cp=1."
+            )
         return func(*args, **kwargs)

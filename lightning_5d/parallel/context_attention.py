@@ -9,9 +9,11 @@ Two routes, chosen per model at setup:
   recomputation in backward goes through the same module forward, so it is routed too.
 * **Hugging Face attention interface**: Hugging Face models pick their kernel by name from
   ``config._attn_implementation``; we register ours under :data:`HF_IMPLEMENTATION` and
-  switch the model to it. Because the name has no mask function, Hugging Face builds no
-  attention mask (ring attention applies the causal structure itself), which is also why
-  zig-zag position ids are not mistaken for packed sequences.
+  switch the model to it for the duration of each step (its own implementation, and with
+  it its masks, is back outside steps). Because the name has no mask function, Hugging
+  Face builds no attention mask during a step (ring attention applies the causal structure
+  itself), which is also why zig-zag position ids are not mistaken for packed sequences;
+  a mask passed in is checked instead: all ones is dropped, anything else refused.
 
 What ring attention cannot honour is refused with the reason: explicit masks (padding,
 documents), attention dropout, sliding windows, keys of another length (caches,
@@ -21,6 +23,7 @@ cross-attention), attention that spells out the softmax instead of calling a ker
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -91,6 +94,7 @@ class _SdpaAsRing(TorchFunctionMode):
 def route_sdpa(cp: "ContextParallel", attention: nn.Module, where: str) -> None:
     """Make ``attention``'s SDPA call ring attention while a shard is current."""
     original = attention.forward
+    had_own = "forward" in vars(attention)
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -100,6 +104,14 @@ def route_sdpa(cp: "ContextParallel", attention: nn.Module, where: str) -> None:
             return original(*args, **kwargs)
 
     attention.forward = forward
+
+    def undo() -> None:
+        if had_own:
+            attention.forward = original
+        else:
+            del attention.forward
+
+    cp.undo.append(undo)
 
 
 def hf_ring_attention(
@@ -115,11 +127,15 @@ def hf_ring_attention(
         )
     cp = _ACTIVE[-1]
     where = type(module).__name__
-    if kwargs.get("sliding_window") is not None:
+    window = kwargs.get("sliding_window")
+    if window is not None and window < cp.current_shard.seq_len:
         raise ContextParallelError(
-            f"{where} uses a sliding window ({kwargs['sliding_window']}), which ring attention does not implement "
-            f"yet; use cp=1 for this model."
+            f"{where} uses a sliding window of {window} tokens on {cp.current_shard.seq_len}-token sequences; ring "
+            f"attention does not implement windows yet. Use cp=1, or sequences no longer than the window."
         )
+    unsupported = [k for k in ("softcap", "s_aux", "head_mask") if kwargs.get(k) is not None]
+    if unsupported:
+        raise ContextParallelError(f"{where} passes {unsupported} to attention, which ring attention does not support.")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     out = attend(cp, query, key, value, causal=causal, scale=scaling, mask=attention_mask, dropout=dropout,
                  where=where)  # fmt: skip
@@ -140,6 +156,7 @@ def hugging_face_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def route_hugging_face(cp: "ContextParallel", models: list[tuple[str, nn.Module]]) -> None:
+    """Register our attention implementation; :class:`HuggingFaceSwitch` selects it per step."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(HF_IMPLEMENTATION, hf_ring_attention)
@@ -149,32 +166,59 @@ def route_hugging_face(cp: "ContextParallel", models: list[tuple[str, nn.Module]
                 f"{name or 'the model'} ({type(model).__name__}) does not dispatch attention through Hugging Face's "
                 f"AttentionInterface, so cp={cp.size} cannot route it to ring attention; use cp=1 for this model."
             )
-        model.set_attn_implementation(HF_IMPLEMENTATION)
-        model.register_forward_pre_hook(functools.partial(_check_hf_call, cp, name), with_kwargs=True)
+        handle = model.register_forward_pre_hook(functools.partial(_check_hf_call, cp, name), with_kwargs=True)
+        cp.undo.append(handle.remove)
 
 
-def _check_hf_call(cp: "ContextParallel", name: str, model: nn.Module, args: tuple, kwargs: dict) -> None:
+class HuggingFaceSwitch:
+    """Selects ring attention for the models while a shard is current and restores their own after.
+
+    Outside steps the models keep their implementation and with it their masks: generation
+    or evaluation with padding, a KV cache or another Trainer work as without cp.
+    """
+
+    def __init__(self, models: list[tuple[str, nn.Module]]) -> None:
+        self.models = [m for _, m in models]
+        self._saved: list[str] | None = None
+
+    def on(self) -> None:
+        if self._saved is None and self.models:
+            self._saved = [m.config._attn_implementation for m in self.models]
+            for m in self.models:
+                m.set_attn_implementation(HF_IMPLEMENTATION)
+
+    def off(self) -> None:
+        if self._saved is not None:
+            for m, implementation in zip(self.models, self._saved):
+                m.set_attn_implementation(implementation)
+            self._saved = None
+
+
+def _check_hf_call(cp: "ContextParallel", name: str, model: nn.Module, args: tuple, kwargs: dict) -> Any:
     if cp.current is None:
-        return
-    if kwargs.get("labels") is not None:
+        return None
+    try:
+        bound = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        bound = kwargs
+    if bound.get("labels") is not None:
         raise ContextParallelError(
             f"{name or 'the model'}({type(model).__name__}) was called with labels=: Hugging Face's own loss shifts "
             f"the labels inside each sequence shard under cp={cp.size}, losing every chunk's boundary token. Compute "
             f"the loss in training_step from aligned labels: F.cross_entropy(out.logits.flatten(0, 1), "
             f"batch['labels'].flatten())."
         )
-    mask = kwargs.get("attention_mask")
+    mask = bound.get("attention_mask")
     if isinstance(mask, Tensor):
         # Every cp rank must agree, or one would raise while the others enter the ring.
-        padded = (mask == 0).any().to(torch.int32).reshape(1)
+        padded = (mask == 0).any().to(torch.int32).reshape(1) if mask.dim() == 2 else torch.ones(1, dtype=torch.int32)
         dist.all_reduce(padded, op=dist.ReduceOp.MAX, group=cp.group)
         if padded.item():
             raise ContextParallelError(
-                f"the batch's attention_mask marks padding; ring attention under cp={cp.size} takes no padding "
-                f"mask. Pack or right-pad sequences, mark padding with label -100 and drop attention_mask, or use cp=1."
+                f"the attention_mask passed to {name or 'the model'} masks tokens (padding, or a custom 4-D mask); "
+                f"ring attention under cp={cp.size} takes no mask. Pack or right-pad sequences, mark padding with "
+                f"label -100 and drop attention_mask, or use cp=1."
             )
-        kwargs["attention_mask"] = None  # all ones: nothing to mask
-        return args, kwargs
     return None
 
 
@@ -183,7 +227,7 @@ def route_attention(cp: "ContextParallel", module: nn.Module, plan: ModelPlan) -
     models = hugging_face_models(module)
     if models:
         route_hugging_face(cp, models)
-        return f"Hugging Face attention interface '{HF_IMPLEMENTATION}'"
+        return f"Hugging Face attention interface '{HF_IMPLEMENTATION}' (selected during steps)"
     for i, block in enumerate(plan.block_plans):
         path = f"{plan.block_path(i)}.{block.attention.path}"
         attention = module.get_submodule(path)

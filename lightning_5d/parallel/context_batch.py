@@ -63,11 +63,12 @@ def check_sequence_length(seq_len: int, cp: int, sharding: SequenceSharding) -> 
     if seq_len % parts == 0:
         return
     lower, upper = seq_len - seq_len % parts, seq_len + parts - seq_len % parts
+    examples = f"{lower} or {upper}" if lower else f"{upper}"
     valid_cp = [c for c in range(1, seq_len + 1) if seq_len % shard_divisor(c, sharding) == 0 and c <= 8]
     raise ContextParallelError(
         f"sequence length {seq_len} is not divisible by {'2*cp' if parts != cp else 'cp'}={parts} "
         f"({sharding.value} sharding cuts every sequence into {parts} chunks); pad or crop sequences to a "
-        f"multiple of {parts} (e.g. {lower or upper} or {upper}), or use cp in {valid_cp}."
+        f"multiple of {parts} (e.g. {examples}), or use cp in {valid_cp}."
     )
 
 
@@ -106,6 +107,13 @@ def _sequence_of(batch: Any, cp: int) -> tuple[int, Tensor, Tensor | None]:
                 f"cp={cp} cuts sequences, but the batch (keys {sorted(batch)}) holds no [batch, sequence] tensor."
             )
         labels = next((tensors[k] for k in _LABEL_KEYS if k in tensors), None)
+        if labels is not None and not _same_sequence(labels, reference):
+            raise ContextParallelError(
+                f"cp={cp} cuts sequences, but the batch's labels have shape {tuple(labels.shape)}, not [batch, "
+                f"sequence] = {tuple(reference.shape[:2])}: a per-sequence target (classification) would be trained "
+                f"from each rank's shard alone. Use cp=1 for such models."
+            )
+        _refuse_packed(tensors.get("position_ids"), cp)
         if labels is None:
             others = [k for k, v in tensors.items() if k not in _NOT_LABELS and _same_sequence(v, reference)]
             if not others:
@@ -125,6 +133,19 @@ def _sequence_of(batch: Any, cp: int) -> tuple[int, Tensor, Tensor | None]:
         f"cp={cp} cannot cut a batch of type {type(batch).__name__} along the sequence; yield a dict "
         f"{{'input_ids': [b, S], 'labels': [b, S]}} (or a tuple of such tensors)."
     )
+
+
+def _refuse_packed(position_ids: Tensor | None, cp: int) -> None:
+    """Per-document position resets ask for document masking, which ring attention does not do."""
+    if position_ids is None:
+        return
+    expected = torch.arange(position_ids.size(-1), device=position_ids.device)
+    if not bool((position_ids == expected).all()):
+        raise ContextParallelError(
+            f"the batch's position_ids are not 0..S-1 in every row (packed documents?); under cp={cp} ring "
+            f"attention is causal over the whole sequence and cannot mask between documents. Use cp=1 for packed "
+            f"data, or drop position_ids to attend across documents."
+        )
 
 
 def _require_sequence(t: Tensor, what: str) -> None:

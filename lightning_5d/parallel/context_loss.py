@@ -7,7 +7,9 @@ S/cp tokens, and padding (label −100) may fall unevenly on the shards. Inside 
   the token-weighted mean over the whole sequence, bit-identical on every cp rank
   (``"sum"`` becomes the sum over the sequence);
 * a float handed to ``self.log`` / ``self.log_dict`` becomes the mean over the cp ranks
-  weighted by the tokens each rank's labels cover, again identical on every rank.
+  weighted by the tokens each rank's labels cover, again identical on every rank. That is
+  one collective per call: every cp rank must log the same names in the same order (values
+  logged with ``rank_zero_only=True`` are left alone).
 
 Gradients: the cp ranks hold disjoint parts of the same sequences, so the loss gradient is
 the *sum* of their contributions, while the data-parallel engine *averages* over dp×cp
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
     from lightning_5d.parallel.context import ContextParallel
@@ -70,18 +73,27 @@ def global_cross_entropy(cp: "ContextParallel", func: Any, args: tuple, kwargs: 
         return cp.mark_global(total)
     count = _counted_targets(bound)
     dist.all_reduce(count, group=cp.group)
-    return cp.mark_global(total / count.to(total.dtype))
+    # Divide in fp32 at least: a bf16 count above 256 would already be rounded.
+    wide = torch.promote_types(total.dtype, torch.float32)
+    return cp.mark_global((total.to(wide) / count.to(wide)).to(total.dtype))
 
 
 def global_metric(cp: "ContextParallel", value: Any) -> Any:
     """The token-weighted mean of a logged float over the cp ranks (other values unchanged)."""
+    if isinstance(value, DTensor):  # e.g. a metric of vocabulary-sharded logits under tp
+        value = value.full_tensor()
     if isinstance(value, Tensor):
         if value.numel() != 1 or not value.is_floating_point() or cp.is_global(value):
             return value
-        weight = cp.current_shard.token_weight().to(value.device)
+        # The collective runs on the group's device (a CPU value would not reach NCCL).
+        device = cp.current_shard.positions.device
+        weight = cp.current_shard.token_weight().to(device)
+        value = value.to(device)
         both = torch.stack([value.detach().to(torch.float64).reshape(()) * weight, weight])
         dist.all_reduce(both, group=cp.group)
         return (both[0] / both[1]).to(value.dtype).reshape(value.shape)
     if isinstance(value, float):
-        return float(global_metric(cp, torch.tensor(value, dtype=torch.float64)))
+        return float(
+            global_metric(cp, torch.tensor(value, dtype=torch.float64, device=cp.current_shard.positions.device))
+        )
     return value

@@ -55,14 +55,26 @@ def _length_sliced_rotaries(module: nn.Module) -> list[tuple[str, nn.Module]]:
     ]
 
 
-def route_positions(cp: "ContextParallel", module: nn.Module, plan: ModelPlan) -> str:
-    """Install the route; returns a one-line description. Raises if the model offers none."""
+def route_positions(
+    cp: "ContextParallel", module: nn.Module, plan: ModelPlan, more: list[tuple[str, nn.Module]] = ()
+) -> str:  # fmt: skip
+    """Install the route; returns a one-line description. Raises if the model offers none.
+
+    ``more``: other backbones that must get positions too (every Hugging Face model routed
+    to ring attention: a reference or teacher model next to the trained one).
+    """
     backbone = find_backbone(module, plan)
     if backbone is not None:
-        path, target = backbone
-        index = _parameters(target.forward).index("position_ids")
-        target.register_forward_pre_hook(functools.partial(_inject, cp, path or "the module", index), with_kwargs=True)
-        return f"global position_ids into {path or type(module).__name__}.forward"
+        targets = {id(backbone[1]): backbone}
+        for path, extra in more:
+            if "position_ids" in _parameters(extra.forward):
+                targets.setdefault(id(extra), (path, extra))
+        for path, target in targets.values():
+            index = _parameters(target.forward).index("position_ids")
+            hook = functools.partial(_inject, cp, path or "the module", index)
+            cp.undo.append(target.register_forward_pre_hook(hook, with_kwargs=True).remove)
+        names = ", ".join(f"{path or type(module).__name__}.forward" for path, _ in targets.values())
+        return f"global position_ids into {names}"
     rotaries = _length_sliced_rotaries(module)
     if rotaries:
         for _, rotary in rotaries:
@@ -84,7 +96,15 @@ def _inject(cp: "ContextParallel", where: str, index: int, module: nn.Module, ar
         return None
     given = kwargs.get("position_ids", args[index] if index < len(args) else None)
     if given is not None:
-        return None  # from the batch, cut along with it
+        # Positions from the cut batch are this shard's; ones built inside the step from the
+        # local length (arange, mask.cumsum) would silently restart at 0 on every rank.
+        expected = shard.positions.to(given.device)
+        if given.shape[-1] != expected.numel() or not bool((given == expected).all()):
+            raise ContextParallelError(
+                f"{where} got position_ids that are not this rank's global positions under cp={cp.size} (built from "
+                f"the shard's length?). Pass none (the strategy supplies them) or the batch's own position_ids."
+            )
+        return None
     local = next((a.size(1) for a in (*args, *kwargs.values()) if isinstance(a, Tensor) and a.dim() >= 2), None)
     if local is not None and local != shard.local_len:
         raise ContextParallelError(
@@ -110,7 +130,16 @@ def _slice_rotary(cp: "ContextParallel", rotary: nn.Module) -> None:
         bound.arguments["seq_len"] = shard.seq_len
         return _rows_at(original(*bound.args, **bound.kwargs), shard.positions, shard.seq_len)
 
+    had_own = "forward" in vars(rotary)
     rotary.forward = forward
+
+    def undo() -> None:
+        if had_own:
+            rotary.forward = original
+        else:
+            del rotary.forward
+
+    cp.undo.append(undo)
 
 
 def _rows_at(out: Any, positions: Tensor, seq_len: int) -> Any:

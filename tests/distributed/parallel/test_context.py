@@ -101,9 +101,12 @@ def test_hugging_face_llama_matches_single_process_full(tmp_path, case):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(200)
-def test_model_with_a_length_sliced_rope_cache_matches_single_process(tmp_path):
+@pytest.mark.parametrize("case", ["rope_cache", pytest.param("manual", marks=pytest.mark.slow)])
+def test_model_with_a_length_sliced_rope_cache_matches_single_process(tmp_path, case):
+    """rope_cache: positions through a RoPE cache sliced by length. manual: the same model under
+    manual optimization, two backward passes and a self.log after each inside one step."""
     out = tmp_path / "result.json"
-    run_distributed(SCRIPTS / "cp_cases.py", 2, ["--case", "rope_cache", "--out", str(out)], timeout=150).check()
+    run_distributed(SCRIPTS / "cp_cases.py", 2, ["--case", case, "--out", str(out)], timeout=150).check()
     result = json.loads(out.read_text())
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(result["ref_losses"]), rtol=1e-5, atol=0)
     assert result["param_error"] <= PARAM_RTOL

@@ -15,6 +15,7 @@ import lightning as L
 import torch.distributed as dist
 
 import lightning_5d
+from lightning_5d.testing import leave_process_group
 from lightning_5d.accounting import SavedActivationMeter
 from lightning_5d.models import TextDataModule
 from tests_support import TINY, RecordingLM
@@ -78,3 +79,5 @@ records = [None] * dist.get_world_size()
 dist.all_gather_object(records, record)
 if dist.get_rank() == 0:
     Path(args.out).write_text(json.dumps({"cp": world, "per_rank": records}))
+
+leave_process_group()  # objects above still hold process groups: leave together, then exit

@@ -3,6 +3,8 @@
 --case rope_cache     a model whose rotary module slices a cos/sin cache by sequence length
                       (no position_ids anywhere): trains 3 steps; rank 0 compares the losses
                       and parameters with one process and writes result.json to --out.
+--case manual         the rope_cache model under manual optimization: two forward/backward
+                      passes per step and a self.log after each backward; compared as rope_cache.
 --case no_positions   positions built inside the backbone, not reachable: fails in setup.
 --case explicit_softmax  attention spelled out as softmax(QK^T)V: fails in setup.
 --case unlabelled     batches of input_ids only (the module shifts them itself): fails at
@@ -26,12 +28,13 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 import lightning_5d
+from lightning_5d.testing import leave_process_group
 from lightning_5d.models.llama import Attention, RMSNorm, SwiGLUMLP
 from tests_support import TINY, RecordingLM, make_datamodule
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--case", required=True,
-                    choices=["rope_cache", "no_positions", "explicit_softmax", "unlabelled", "bad_seq"])  # fmt: skip
+                    choices=["rope_cache", "manual", "no_positions", "explicit_softmax", "unlabelled", "bad_seq"])  # fmt: skip
 parser.add_argument("--out", default=None)
 args = parser.parse_args()
 
@@ -154,6 +157,27 @@ class LM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=3e-3)
 
 
+class ManualLM(LM):
+    """Each step: one row, then the other, each backpropagated (mean of the halves = the batch mean)."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        total = 0.0
+        for rows in (slice(0, 1), slice(1, 2)):
+            logits = self(batch["input_ids"][rows])
+            loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"][rows].flatten())
+            self.manual_backward(loss / 2)
+            self.log("half_loss", loss)  # after a backward, still inside the step
+            total = total + loss.detach() / 2
+        optimizer.step()
+        self.losses.append(total)
+
+
 class Sequences(Dataset):
     def __init__(self, seq_len: int, labels: bool):
         self.seq_len, self.labels = seq_len, labels
@@ -178,6 +202,8 @@ L.seed_everything(0)
 data = {"datamodule": make_datamodule()}
 if args.case == "rope_cache":
     module = LM(CacheModel())
+elif args.case == "manual":
+    module = ManualLM(CacheModel())
 elif args.case == "no_positions":
     module = LM(HiddenPositionsModel())
 elif args.case == "explicit_softmax":
@@ -205,7 +231,7 @@ trainer = L.Trainer(
 )
 trainer.fit(module, **data)
 
-# rope_cache only from here: compare with the same module trained in one process.
+# rope_cache and manual only from here: compare with the model trained in one process.
 losses = [x.item() for x in module.losses]
 state = trainer.strategy.lightning_module_state_dict()
 if dist.get_rank() == 0:
@@ -230,3 +256,5 @@ if dist.get_rank() == 0:
     Path(args.out).write_text(
         json.dumps({"losses": losses, "ref_losses": ref_losses, "param_error": float(diff / total)})
     )
+
+leave_process_group()  # objects above still hold process groups: leave together, then exit

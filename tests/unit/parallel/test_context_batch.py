@@ -60,6 +60,11 @@ def test_token_weight_counts_labels_that_are_not_ignored():
         ((torch.zeros(2, 16),), "a single sequence tensor"),
         ({"x": torch.zeros(3)}, "holds no [batch, sequence] tensor"),
         ("text", "cannot cut a batch of type str"),
+        ({"input_ids": torch.zeros(2, 16, dtype=torch.long), "labels": torch.zeros(2)}, "not [batch, sequence]"),
+        (
+            {"input_ids": torch.zeros(1, 4), "labels": torch.zeros(1, 4), "position_ids": torch.tensor([[0, 1, 0, 1]])},
+            "packed documents",
+        ),
     ],
 )
 def test_batches_cp_cannot_cut_correctly_are_refused(bad, needle):

@@ -15,7 +15,7 @@ TINY = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_laye
 
 def fake_cp(positions, seq_len):
     shard = SequenceShard(batch=None, seq_len=seq_len, positions=positions, labels=None)
-    return SimpleNamespace(current=shard, size=2)
+    return SimpleNamespace(current=shard, size=2, undo=[])
 
 
 def test_backbone_is_the_deepest_module_holding_the_blocks_that_takes_position_ids():
@@ -34,8 +34,13 @@ def test_backbone_gets_global_positions_when_the_caller_passes_none():
     routed = module(ids[:, positions])
     expected = module(ids[:, positions], positions.unsqueeze(0))  # caller-given positions are kept
     torch.testing.assert_close(routed, expected)
+    with pytest.raises(ContextParallelError, match="not this rank's global positions"):
+        module(ids[:, positions], torch.arange(4))  # built from the local length: refused
     cp.current = None  # outside a step: untouched
     torch.testing.assert_close(module(ids[:, :4]), module(ids[:, :4], torch.arange(4)))
+    for undo in cp.undo:
+        undo()
+    assert not module.model._forward_pre_hooks
 
 
 def test_a_call_on_another_length_than_the_shard_is_refused():
