@@ -16,9 +16,13 @@ Measured on each rank:
 - peak RSS of the process (``ru_maxrss``) and its RSS just before ``fit``;
 - with ``--count-comm``: every collective launched during the timed steps
   (``lightning_5d.collectives.CollectiveCounter`` for ``torch.distributed`` calls,
-  :class:`FunctionalCollectiveCounter` for DTensor's functional collectives).
+  :class:`FunctionalCollectiveCounter` for DTensor's functional collectives);
+- with ``--measure-activations``: the bytes autograd saves for backward during the first
+  micro-batch's forward (``lightning_5d.accounting.SavedActivationMeter``, from the start of
+  batch 0 to its backward; parameters excluded), on the untimed first warm-up step.
 
-Tokens per step are ``batch_size * seq_len * (world / tp)``: tp ranks share a micro-batch.
+Tokens per step are ``batch_size * seq_len * (world / (tp * cp))``: tp and cp ranks share a
+micro-batch (cp ranks each hold ``seq_len / cp`` of its tokens).
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from torch.distributed.tensor.parallel import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lightning_5d
-from lightning_5d.accounting import model_state_bytes
+from lightning_5d.accounting import SavedActivationMeter, model_state_bytes
 from lightning_5d.collectives import CollectiveCall, CollectiveCounter, wire_bytes
 from lightning_5d.models import LlamaConfig, LlamaLM, TextDataModule
 from lightning_5d.models.llama import TransformerBlock
@@ -123,6 +127,8 @@ def build_strategy(args):
         extra = {} if args.bucket_mb is None else {"bucket_size_mb": args.bucket_mb}
         if args.tp > 1:
             extra.update(tp=args.tp, sequence_parallel=args.sp)
+        if args.cp > 1:
+            extra.update(cp=args.cp, context={"mode": args.cp_mode, "sharding": args.cp_sharding})
         return lightning_5d.FiveDStrategy(zero=args.zero, dp_replicate=args.dp_replicate, **extra)
     if args.strategy == "ddp":
         return DDPStrategy()
@@ -198,14 +204,26 @@ def rss_bytes() -> int:
 
 
 class Measure(L.Callback):
-    def __init__(self, warmup: int, steps: int, count_comm: bool) -> None:
+    def __init__(self, warmup: int, steps: int, count_comm: bool, measure_activations: bool = False) -> None:
         self.warmup, self.steps = warmup, steps
+        self.measure_activations = measure_activations
+        self.activation_bytes: int | None = None
+        self._meter: SavedActivationMeter | None = None
         self.counter = CollectiveCounter() if count_comm else None
         self.functional = FunctionalCollectiveCounter() if count_comm else None
         self.state_bytes: dict | None = None
         self.marks: list[float] = []  # perf_counter at the end of step warmup-1, warmup, ..., last
         self.cpu_marks: list[float] = []  # process CPU time (all threads) at the same moments
         self.losses: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 0 and self.measure_activations:  # the first micro-batch's forward (a warm-up step)
+            self._meter = SavedActivationMeter().__enter__()
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        if self._meter is not None:
+            self._meter.__exit__(None, None, None)
+            self.activation_bytes, self._meter = self._meter.bytes, None
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if trainer.global_step == 1:  # the 2nd step: optimizer states exist since the 1st
@@ -234,6 +252,9 @@ def main() -> None:
     parser.add_argument("--dp-replicate", type=int, default=1)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (5d, mp_tp)")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism with --tp (5d, mp_tp)")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel size (5d)")
+    parser.add_argument("--cp-mode", default="ring", choices=["ring", "allgather"], help="with --cp > 1")
+    parser.add_argument("--cp-sharding", default="zigzag", choices=["zigzag", "contiguous"], help="with --cp > 1")
     parser.add_argument("--bucket-mb", type=float, default=None, help="5d bucket size (default: the strategy's)")
     parser.add_argument("--model", required=True, help="LlamaConfig fields as JSON")
     parser.add_argument("--seq-len", type=int, default=128)
@@ -241,10 +262,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10, help="timed steps after the warm-up")
     parser.add_argument("--count-comm", action="store_true")
+    parser.add_argument("--measure-activations", action="store_true", help="saved-activation bytes of batch 0")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     args.world = int(os.environ["WORLD_SIZE"])
     assert args.warmup >= 2, "model-state bytes are read in the 2nd step, which must not be timed"
+    assert args.cp == 1 or args.strategy == "5d", "--cp is a FiveDStrategy setting"
     warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
     torch.set_num_threads(1)
 
@@ -255,9 +278,11 @@ def main() -> None:
         cls = HandShardedLM if args.strategy == "mp_fsdp" else LlamaLM
     model = cls(LlamaConfig(**json.loads(args.model)))
     total_steps = args.warmup + args.steps
+    # cp ranks read the same samples: the dataset (so the sampler's shuffle) must not grow with cp,
+    # or a cp run would train on other samples than the cp=1 run it is compared with.
     data = TextDataModule(seq_len=args.seq_len, batch_size=args.batch_size, val_samples=1,
-                          num_samples=args.batch_size * args.world * total_steps)  # fmt: skip
-    measure = Measure(args.warmup, args.steps, args.count_comm)
+                          num_samples=args.batch_size * (args.world // args.cp) * total_steps)  # fmt: skip
+    measure = Measure(args.warmup, args.steps, args.count_comm, args.measure_activations)
     try:
         trainer = L.Trainer(
             accelerator="cpu", devices=args.world, strategy=build_strategy(args), precision="32-true",
@@ -278,14 +303,15 @@ def main() -> None:
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "rss_before_fit_bytes": rss_before_fit,
         "losses": measure.losses,
+        "activation_bytes": measure.activation_bytes,
         "comm": [asdict(c) for c in measure.counter.calls + measure.functional.calls] if measure.counter else None,
         "comm_unknown": sorted(measure.functional.unknown) if measure.counter else None,
     }
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
     if dist.get_rank() == 0:
-        # Per step: tp ranks share one micro-batch (both strategies give them the same samples).
-        tokens = args.batch_size * args.seq_len * (args.world // args.tp)
+        # Per step: tp and cp ranks share one micro-batch (both strategies give them the same samples).
+        tokens = args.batch_size * args.seq_len * (args.world // (args.tp * args.cp))
         # A step ends when its slowest rank ends it; the median step shrugs off a burst of
         # load from other work on a shared machine better than the mean does.
         steps = [max(times) for times in zip(*(r["step_times_s"] for r in ranks))]
