@@ -27,8 +27,22 @@ as Megatron-LM and the Ultra-Scale Playbook lay it out:
              all-reduce      the loss (3T) + one per norm weight, 2L + 1 (its gradient is a partial
                              sum over the sequence shards)
 
-each all-reduce 2(t-1)/t·B, each all-gather / reduce-scatter (t-1)/t·A. The planner's number
-is ``lightning_5d.estimate``'s ``comm`` for the same layout.
+each all-reduce 2(t-1)/t·B, each all-gather / reduce-scatter (t-1)/t·A.
+
+Context parallelism (c ranks share each sequence, no other data parallelism, ZeRO-1 over the
+c ranks as above; L layers; K = 2·b·(s/c)·H·d·4 bytes, one fp32 packed K/V block of the local
+shard, H the heads as ``lightning_5d/parallel/ring_attention.py`` receives them: LlamaLM repeats
+K/V to the query heads before attention), per step:
+
+    ring        send             per layer (c-1) forward K/V hops + (c-1) backward K/V hops + c dK/dV hops
+                                 (the last one lands each accumulator on its owner); B = K each
+                recv             as many calls, 0 bytes (the sender's bytes)
+    all-gather  all-gather       per layer 2 of the c·K block (forward, and backward's re-gather)
+                reduce-scatter   per layer 1 of the c·K block gradient (backward)
+
+plus the ZeRO-1 reduce-scatter and all-gather of Ψ, and the loss's scalar all-reduces over the cp
+group (control). The planner's number is ``lightning_5d.estimate``'s ``comm`` for the same layout
+(its ``send_recv`` is listed as ``send``).
 """
 
 from __future__ import annotations
@@ -56,8 +70,12 @@ TP_LAYOUTS = [  # (label, nproc, tp, sequence_parallel): zero=0, one data rank
     ("TP", 2, 2, False),
     ("TP + SP", 2, 2, True),
 ]
+CP_LAYOUTS = [  # (label, nproc, cp, mode): zero=1 over the cp ranks, one data rank
+    ("CP (ring)", 2, 2, "ring"),
+    ("CP (all-gather)", 2, 2, "allgather"),
+]
 DATA_OPS = ("all_reduce", "reduce_scatter", "all_gather")
-PENDING_ROWS = [("CP (ring)", "cp"), ("CP (all-gather)", "cp"), ("PP", "pp"), ("EP", "ep")]
+PENDING_ROWS = [("PP", "pp"), ("EP", "ep")]
 
 
 def theory(zero: int, psi: int, n_shard: int, replicas: int) -> dict[str, float]:
@@ -104,6 +122,37 @@ def tp_terms(cfg: LlamaConfig, t: int, sp: bool) -> list[dict]:
     ]
 
 
+def cp_kv_bytes(cfg: LlamaConfig, c: int) -> int:
+    """K: one fp32 packed K/V block [2, b, H, 1, s/c, d], H the query heads (LlamaLM repeats K/V)."""
+    return 4 * 2 * BATCH * cfg.num_heads * (SEQ_LEN // c) * (cfg.hidden_size // cfg.num_heads)
+
+
+def cp_terms(cfg: LlamaConfig, c: int, mode: str, psi: int) -> list[dict]:
+    """The exact CP collectives per step (module docstring): kind, calls, tensor bytes, what."""
+    kv, n = cp_kv_bytes(cfg, c), cfg.num_layers
+
+    def term(op: str, calls: int, size: int, what: str) -> dict:
+        return {"op": op, "calls": calls, "tensor_bytes": size, "what": what,
+                "wire_bytes": calls * wire_bytes(op, size, c)}  # fmt: skip
+
+    zero = [
+        term("reduce_scatter", 1, 4 * psi, "ZeRO-1 gradients over dp×cp"),
+        term("all_gather", 1, 4 * psi, "ZeRO-1 updated parameters over dp×cp"),
+    ]
+    if mode == "ring":
+        return [
+            term("send", 2 * (c - 1) * n, kv, "per layer: K/V hops, forward and backward"),
+            term("send", c * n, kv, "per layer: dK/dV accumulator hops (backward, the last to the owner)"),
+            term("recv", (3 * c - 2) * n, kv, "the matching receives (0 B: the sender's)"),
+            *zero,
+        ]
+    return [
+        term("all_gather", 2 * n, c * kv, "per layer: K/V of all ranks (forward, backward re-gather)"),
+        term("reduce_scatter", n, c * kv, "per layer: dK/dV (backward)"),
+        *zero,
+    ]
+
+
 def by_op(terms: list[dict]) -> dict[str, float]:
     out: dict[str, float] = defaultdict(float)
     for t in terms:
@@ -111,12 +160,16 @@ def by_op(terms: list[dict]) -> dict[str, float]:
     return dict(out)
 
 
-def planner(module: LlamaLM, zero: int, n_shard: int, replicas: int, tp: int = 1, sp: bool = False) -> dict:
+def planner(
+    module: LlamaLM, zero: int, n_shard: int, replicas: int, tp: int = 1, sp: bool = False, cp: int = 1
+) -> dict:
     est = estimate(load_spec(module), dp_replicate=replicas, dp_shard=n_shard, zero=zero, precision="fp32",
-                   seq_len=SEQ_LEN, micro_batch_size=BATCH, tp=tp, sequence_parallel=sp)  # fmt: skip
+                   seq_len=SEQ_LEN, micro_batch_size=BATCH, tp=tp, sequence_parallel=sp, cp=cp)  # fmt: skip
     out: dict[str, float] = defaultdict(float)
     for entry in est.comm:
-        out[entry.collective.value] += entry.bytes_per_rank
+        # The planner's send_recv is the sender's bytes: the counter's "send" (its "recv" is 0 B).
+        key = "send" if entry.collective.value == "send_recv" else entry.collective.value
+        out[key] += entry.bytes_per_rank
     return dict(out)
 
 
@@ -187,6 +240,23 @@ def run(quick: bool) -> dict:
             "not_counted": sorted({u for r in result["ranks"] for u in r["comm_unknown"]}),
             "theory": by_op(terms), "theory_terms": terms, "planner": planner(module, 0, nproc // tp, 1, tp, sp),
         })  # fmt: skip
+    for label, nproc, cp, mode in CP_LAYOUTS:
+        args = ["--strategy", "5d", "--zero", "1", "--cp", str(cp), "--cp-mode", mode, "--model", json.dumps(MODEL),
+                "--seq-len", str(SEQ_LEN), "--batch-size", str(BATCH), "--warmup", str(warmup), "--steps", str(steps),
+                "--count-comm"]  # fmt: skip
+        result = run_worker(nproc, args)
+        per_rank = [_per_step(r["comm"], steps) for r in result["ranks"]]
+        terms = cp_terms(cfg, cp, mode, psi)
+        rows.append({
+            "label": label, "nproc": nproc, "zero": 1, "dp_replicate": 1, "dp_shard": nproc // cp, "cp": cp,
+            "cp_mode": mode, "num_layers": cfg.num_layers, "heads_passed": cfg.num_heads,
+            "kv_heads": cfg.num_kv_heads, "kv_block_bytes": cp_kv_bytes(cfg, cp),
+            "zero_bytes": wire_bytes("all_gather", 4 * psi, nproc),
+            "measured": per_rank[0], "measured_all_ranks": per_rank,
+            "ranks_agree": all(p == per_rank[0] for p in per_rank),
+            "not_counted": sorted({u for r in result["ranks"] for u in r["comm_unknown"]}),
+            "theory": by_op(terms), "theory_terms": terms, "planner": planner(module, 1, nproc // cp, 1, cp=cp),
+        })  # fmt: skip
     return {
         "command": "python -m benchmarks run" + (" --quick" if quick else "") + " --only comm_vs_theory",
         "psi": psi, "seq_len": SEQ_LEN, "batch_size": BATCH, "timed_steps": steps, "rows": rows,
@@ -198,6 +268,7 @@ CONTROL_NOTE = (
     "flags, not model data: Lightning broadcasts an 8-byte SIGTERM flag from rank 0 every batch; "
     "the ZeRO-0..2 engine all-reduces one byte per parameter tensor (which got gradients)"
 )
+CP_CONTROL_NOTE = "; with cp, the loss all-reduces its sum and its token count over the cp group (scalars)"
 ZERO3_GATHER_NOTE = (
     "below theory, as designed: FSDP2 does not re-gather in backward what stays gathered after forward — "
     "the last block (reshard_after_forward=False) and the root unit (embedding, final norm, head)"
@@ -206,9 +277,11 @@ ZERO3_GATHER_NOTE = (
 
 def _note(row: dict, key: str, ratio: float | None) -> str:
     if key == "control":
-        return CONTROL_NOTE
+        return CONTROL_NOTE + (CP_CONTROL_NOTE if row.get("cp", 1) > 1 else "")
     if row.get("tp", 1) > 1:
         return _tp_note(row, key, ratio)
+    if row.get("cp", 1) > 1:
+        return _cp_note(row, key, ratio)
     if ratio is not None and 0.95 <= ratio <= 1.05:
         return ""
     if key == "all_gather" and row["zero"] == 3 and ratio is not None and ratio < 1:
@@ -282,6 +355,57 @@ def _tp_note(row: dict, key: str, ratio: float | None) -> str:
     return "; ".join(parts)
 
 
+def _cp_note(row: dict, key: str, ratio: float | None) -> str:
+    """What a CP row's collective is made of, and why measured, theory and planner differ where they do.
+
+    As for TP: every explanation is checked against the numbers, byte for byte, or marked unexplained.
+    """
+    c, n, kv, zero = row["cp"], row["num_layers"], row["kv_block_bytes"], row["zero_bytes"]
+    h, g = row["heads_passed"], row["kv_heads"]
+    m = row["measured"].get(key, {}).get("wire_bytes", 0.0)
+    th, pl = row["theory"].get(key, 0.0), row["planner"].get(key, 0.0)
+    ring = row["cp_mode"] == "ring"
+    parts = []
+    if key not in row["measured"] and th == 0:
+        pass  # the planner's alone (below)
+    elif key == "recv" and m == 0 and th == 0:
+        parts.append("the receives of the sends above: counted as calls, their bytes are the sender's")
+    elif key == "send" and ring and _close(m, th):
+        parts.append(f"{(3 * c - 2) * n} sends of K = {kv:,} B: per layer {c - 1} forward + {c - 1} backward "
+                     f"K/V hops and {c} dK/dV hops, the theory's bytes")  # fmt: skip
+    elif key in ("all_gather", "reduce_scatter") and _close(m, th):
+        what = "the ZeRO-1 " + ("updated parameters" if key == "all_gather" else "gradients") + f" ({zero:,.0f} B)"
+        if not ring:
+            cp_calls = 2 * n if key == "all_gather" else n
+            cp_what = "K/V gathers (forward + backward)" if key == "all_gather" else "dK/dV reduce-scatters"
+            what += f" + {cp_calls} {cp_what} of the {c}·K block ({th - zero:,.0f} B)"
+        parts.append(what + ": the theory's bytes")
+    elif ratio is None or not 0.95 <= ratio <= 1.05:
+        parts.append("✗ unexplained")
+    if not _close(pl, th):
+        # The planner: (c-1)·3 hops per layer of a block of the config's kv heads, whatever the mode.
+        planner_send = 3 * (c - 1) * n * kv * g / h
+        if ring and key == "send" and _close(pl, planner_send):
+            parts.append(
+                f"✗ planner {pl - th:+,.0f} B vs theory (theory / planner = {th / pl:.4f}): it counts a block of the "
+                f"config's {g} kv heads, where LlamaLM repeats K/V to the {h} query heads before attention and ring "
+                f"attention passes what it is given (×{h / g:g}; passing the {g} kv heads would halve the ring's "
+                f"traffic), and {3 * (c - 1)} hops per layer where the dK/dV accumulator takes {c} hops, not "
+                f"{c - 1}, its last one back to the owner ({3 * c - 2} per layer, ×{(3 * c - 2) / (3 * (c - 1)):.4f})"
+            )
+        elif not ring and key == "send" and _close(pl, planner_send) and m == 0:
+            parts.append(
+                f"✗ planner {pl - th:+,.0f} B vs theory: it models every cp layout as the ring (the ring's "
+                f"{3 * (c - 1)} hops per layer of a {g}-kv-head block), not the all-gather mode's collectives"
+            )
+        elif not ring and key in ("all_gather", "reduce_scatter") and _close(th - pl, th - zero):
+            parts.append(f"✗ planner {pl - th:+,.0f} B vs theory: it has no all-gather-mode K/V collectives "
+                         "(see send)")  # fmt: skip
+        else:
+            parts.append(f"✗ planner {pl - th:+,.0f} B vs theory, unexplained")
+    return "; ".join(parts)
+
+
 def _functional_count(result: dict) -> str:
     rows = [r["label"] for r in result["rows"] for p in r["measured_all_ranks"] if any("functional" in k for k in p)]
     return f"in {', '.join(sorted(set(rows)))}" if rows else "none occur, on any rank"
@@ -307,6 +431,25 @@ def _tp_intro(result: dict) -> list[str]:
     ]
 
 
+def _cp_intro(result: dict) -> list[str]:
+    rows = [r for r in result["rows"] if r.get("cp", 1) > 1]
+    if not rows:
+        return []
+    r = rows[0]
+    return [
+        f"CP rows: {r['nproc']} processes, cp = {r['cp']}, no other data parallelism (`FiveDStrategy(cp={r['cp']}, "
+        f'context={{"mode": "ring" | "allgather"}}, zero=1)`, ZeRO-1 over dp×cp = {r["nproc"]} ranks), '
+        f"{r['num_layers']} layers; K = 2·b·(s/cp)·H·d·4 = {r['kv_block_bytes']:,} B, one fp32 packed K/V block "
+        f"of the local shard, with H = {r['heads_passed']} heads as ring attention receives them (LlamaLM repeats "
+        f"its {r['kv_heads']} kv heads to the query heads before attention). Theory, per layer — ring: (cp−1) "
+        "K/V sends forward, (cp−1) again backward and cp sends of the dK/dV accumulator (the last lands it on its "
+        "owner), `dist.batch_isend_irecv`, counted as isend = K, irecv = 0; all-gather: an all-gather of the "
+        "cp·K block forward and again backward, a reduce-scatter of its gradient backward — plus ZeRO-1's "
+        "reduce-scatter and all-gather of Ψ. Collective by collective: benchmarks/comm_vs_theory.py.",
+        "",
+    ]
+
+
 def markdown(result: dict) -> str:
     lines = [
         f"Ψ = {result['psi']:,} parameters (reference `LlamaConfig`), fp32 + AdamW, seq {result['seq_len']}, "
@@ -320,6 +463,7 @@ def markdown(result: dict) -> str:
         "would not be seen — the byte-exact agreement below shows none carries model data here.",
         "",
         *_tp_intro(result),
+        *_cp_intro(result),
         "| layout | collective | calls / step | measured (B) | theory (B) | planner (B) | measured / theory "
         "| ranks agree | note |",
         "|---|---|---:|---:|---:|---:|---:|---|---|",
