@@ -112,6 +112,16 @@ def test_model_with_a_length_sliced_rope_cache_matches_single_process(tmp_path, 
     assert result["param_error"] <= PARAM_RTOL
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+def test_second_hugging_face_model_gets_global_positions_too(tmp_path):
+    """A frozen reference model next to the policy (DPO, distillation): its logits on the shard
+    equal its full-sequence logits at the shard's positions."""
+    pytest.importorskip("transformers")
+    run = run_distributed(SCRIPTS / "cp_cases.py", 2, ["--case", "hf_two_models"], timeout=150).check()
+    assert run.output.count("REFERENCE MATCHES") == 2
+
+
 # ---------------------------------------------------------------- per-rank work and memory
 def probe(tmp_path, cp, sharding="zigzag"):
     out = tmp_path / f"probe_{cp}_{sharding}.json"
@@ -146,6 +156,7 @@ def test_attention_activations_fall_by_cp_and_zigzag_balances_work(tmp_path):
         ("explicit_softmax", "computes softmax(QKᵀ)V itself, which ring attention cannot replace"),
         ("unlabelled", "carries no labels"),
         ("bad_seq", "sequence length 30 is not divisible by 2*cp=4"),
+        ("hf_positional_mask", "the attention_mask passed to model masks tokens"),
     ],
 )
 def test_what_cp_cannot_run_fails_before_any_optimizer_step(case, message):

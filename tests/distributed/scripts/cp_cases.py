@@ -5,6 +5,12 @@
                       and parameters with one process and writes result.json to --out.
 --case manual         the rope_cache model under manual optimization: two forward/backward
                       passes per step and a self.log after each backward; compared as rope_cache.
+--case hf_two_models  a Hugging Face policy and a frozen Hugging Face reference model (as in
+                      DPO or distillation): inside the step the reference's logits on the shard
+                      must equal its full-sequence logits (computed before the step) at the
+                      shard's positions; prints REFERENCE MATCHES.
+--case hf_positional_mask  a Hugging Face model called with a padding mask passed
+                      positionally: fails at the first step.
 --case no_positions   positions built inside the backbone, not reachable: fails in setup.
 --case explicit_softmax  attention spelled out as softmax(QK^T)V: fails in setup.
 --case unlabelled     batches of input_ids only (the module shifts them itself): fails at
@@ -34,7 +40,8 @@ from tests_support import TINY, RecordingLM, make_datamodule
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--case", required=True,
-                    choices=["rope_cache", "manual", "no_positions", "explicit_softmax", "unlabelled", "bad_seq"])  # fmt: skip
+                    choices=["rope_cache", "manual", "hf_two_models", "hf_positional_mask", "no_positions",
+                             "explicit_softmax", "unlabelled", "bad_seq"])  # fmt: skip
 parser.add_argument("--out", default=None)
 args = parser.parse_args()
 
@@ -178,6 +185,36 @@ class ManualLM(LM):
         self.losses.append(total)
 
 
+class TwoModels(LM):
+    """A trained policy next to a frozen reference model, both Hugging Face Llama."""
+
+    def __init__(self, padding_mask: bool = False):
+        from hf_support import build_hf_model
+
+        super().__init__(build_hf_model("llama"))
+        self.reference = build_hf_model("llama").requires_grad_(False)
+        self.padding_mask = padding_mask
+        self.full_reference = None
+
+    def on_train_batch_start(self, batch, batch_idx):
+        with torch.no_grad():  # outside the step: the whole sequence, no context parallelism
+            self.full_reference = self.reference(batch["input_ids"]).logits
+
+    def training_step(self, batch, batch_idx):
+        ids = batch["input_ids"]
+        if self.padding_mask:
+            mask = torch.ones_like(ids)
+            mask[:, 0] = 0
+            self.model(ids, mask)  # attention_mask passed positionally
+        with torch.no_grad():
+            shard_logits = self.reference(ids).logits
+        positions = self.trainer.strategy.context_parallel.current.positions
+        torch.testing.assert_close(shard_logits, self.full_reference[:, positions], rtol=1e-5, atol=1e-5)
+        print("REFERENCE MATCHES", flush=True)
+        logits = self.model(input_ids=ids).logits
+        return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+
 class Sequences(Dataset):
     def __init__(self, seq_len: int, labels: bool):
         self.seq_len, self.labels = seq_len, labels
@@ -204,6 +241,8 @@ if args.case == "rope_cache":
     module = LM(CacheModel())
 elif args.case == "manual":
     module = ManualLM(CacheModel())
+elif args.case in ("hf_two_models", "hf_positional_mask"):
+    module = TwoModels(padding_mask=args.case == "hf_positional_mask")
 elif args.case == "no_positions":
     module = LM(HiddenPositionsModel())
 elif args.case == "explicit_softmax":
@@ -217,7 +256,7 @@ else:  # bad_seq
     module = LM(CacheModel())
     data = {"train_dataloaders": DataLoader(Sequences(30, labels=True), batch_size=2)}
 
-STEPS = 3
+STEPS = 1 if args.case.startswith("hf_") else 3
 trainer = L.Trainer(
     accelerator="cpu",
     devices=int(os.environ["WORLD_SIZE"]),
@@ -231,6 +270,8 @@ trainer = L.Trainer(
 )
 trainer.fit(module, **data)
 
+if args.case.startswith("hf_"):
+    leave_process_group()
 # rope_cache and manual only from here: compare with the model trained in one process.
 losses = [x.item() for x in module.losses]
 state = trainer.strategy.lightning_module_state_dict()
