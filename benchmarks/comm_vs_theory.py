@@ -383,20 +383,19 @@ def _cp_note(row: dict, key: str, ratio: float | None) -> str:
     elif ratio is None or not 0.95 <= ratio <= 1.05:
         parts.append("✗ unexplained")
     if not _close(pl, th):
-        # The planner: (c-1)·3 hops per layer of a block of the config's kv heads, whatever the mode.
-        planner_send = 3 * (c - 1) * n * kv * g / h
+        # The planner: our ring's 3c-2 hops per layer of a block of the config's kv heads, whatever the mode.
+        planner_send = (3 * c - 2) * n * kv * g / h
         if ring and key == "send" and _close(pl, planner_send):
             parts.append(
                 f"✗ planner {pl - th:+,.0f} B vs theory (theory / planner = {th / pl:.4f}): it counts a block of the "
                 f"config's {g} kv heads, where LlamaLM repeats K/V to the {h} query heads before attention and ring "
                 f"attention passes what it is given (×{h / g:g}; passing the {g} kv heads would halve the ring's "
-                f"traffic), and {3 * (c - 1)} hops per layer where the dK/dV accumulator takes {c} hops, not "
-                f"{c - 1}, its last one back to the owner ({3 * c - 2} per layer, ×{(3 * c - 2) / (3 * (c - 1)):.4f})"
+                f"traffic); its {3 * c - 2} hops per layer are the ring's"
             )
         elif not ring and key == "send" and _close(pl, planner_send) and m == 0:
             parts.append(
                 f"✗ planner {pl - th:+,.0f} B vs theory: it models every cp layout as the ring (the ring's "
-                f"{3 * (c - 1)} hops per layer of a {g}-kv-head block), not the all-gather mode's collectives"
+                f"{3 * c - 2} hops per layer of a {g}-kv-head block), not the all-gather mode's collectives"
             )
         elif not ring and key in ("all_gather", "reduce_scatter") and _close(th - pl, th - zero):
             parts.append(f"✗ planner {pl - th:+,.0f} B vs theory: it has no all-gather-mode K/V collectives "

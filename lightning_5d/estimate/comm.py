@@ -209,21 +209,18 @@ def comm_per_step(
             out.append(CommEntry("tp", Collective.ALL_REDUCE, t, 3 * M, stats, tp, "vocab-parallel loss"))
 
     if setup.cp > 1:
-        # Ring attention: forward passes K,V around the ring (cp-1 hops); backward passes K,V
-        # again and their gradients dK,dV; full recompute replays the forward ring.
+        # Ring attention (parallel/ring_attention.py): forward passes K,V around the ring (cp-1
+        # hops); backward passes K,V again (cp-1) and the dK,dV accumulators, which take cp hops:
+        # the last one returns each to its owner. Full recompute replays the forward ring.
         kv_block = 2 * e * s * b * spec.d_head * kv_heads_per_rank(spec, t)
-        hops = (setup.cp - 1) * (4 if full else 3) * L * M
-        out.append(
-            CommEntry("cp", Collective.SEND_RECV, setup.cp, hops, kv_block, link("cp"), "ring K/V, dK/dV")
-        )
+        hops = ((setup.cp - 1) * (3 if full else 2) + setup.cp) * L * M
+        out.append(CommEntry("cp", Collective.SEND_RECV, setup.cp, hops, kv_block, link("cp"), "ring K/V, dK/dV"))
 
     if setup.pp > 1:
         boundary = act / (t if setup.sp else 1)
         # A middle stage sends an activation forward and a gradient backward per microbatch and chunk.
         sends = 2 * setup.v * M
-        out.append(
-            CommEntry("pp", Collective.SEND_RECV, setup.pp, sends, boundary, link("pp"), "stage boundaries")
-        )
+        out.append(CommEntry("pp", Collective.SEND_RECV, setup.pp, sends, boundary, link("pp"), "stage boundaries"))
         if spec.tie_embeddings and (first or last):
             vh = spec.vocab_size * h / t * _grad_bytes(setup)
             out.append(CommEntry("pp", Collective.ALL_REDUCE, 2, 1, vh, link("pp"), "tied embedding grads"))
@@ -233,9 +230,7 @@ def comm_per_step(
         payload = e * tokens * spec.experts_top_k * h
         calls = (6 if full else 4) * L * M  # dispatch + combine, forward and backward (+ replayed forward)
         ep = _ep_link(setup, gpus_per_node)
-        out.append(
-            CommEntry("ep", Collective.ALL_TO_ALL, setup.ep, calls, payload, ep, "MoE dispatch/combine")
-        )
+        out.append(CommEntry("ep", Collective.ALL_TO_ALL, setup.ep, calls, payload, ep, "MoE dispatch/combine"))
     return out
 
 

@@ -73,13 +73,14 @@ def test_full_recompute_replays_forward_collectives():
     assert 1.4 < full / base < 1.5  # blocks: 6 collectives instead of 4, plus unchanged embedding/head
 
 
-def test_cp_ring_passes_kv_three_times():
+def test_cp_ring_passes_kv_twice_and_returns_gradients_to_their_owners():
     cp, s = 4, 8192
     est = estimate(L8B, cp=cp, seq_len=s)
     (ring,) = [c for c in est.comm if c.dim == "cp"]
     kv_block = 2 * 2 * (s // cp) * L8B.d_head * L8B.kv_heads  # K and V, bf16
     assert ring.bytes_per_call == kv_block
-    assert ring.calls == 3 * (cp - 1) * L8B.num_layers
+    # K/V forward and backward (cp-1 hops each), dK/dV cp hops (the last back to its owner)
+    assert ring.calls == (2 * (cp - 1) + cp) * L8B.num_layers
     assert est.comm_bytes_per_step["dp"] > 0  # gradients are averaged over the cp ranks
 
 
