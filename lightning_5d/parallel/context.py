@@ -21,6 +21,7 @@ same weights; gradients are averaged over dp×cp by the data-parallel engine (th
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -62,7 +63,7 @@ class ContextParallel:
         if previous is not None:  # a new Trainer on the same module: one set of hooks, not two
             previous.remove()
         hf_models = hugging_face_models(module)
-        self.attention_route = route_attention(self, module, plan)
+        self.attention_route = route_attention(self, module, plan, hf_models)
         self.position_route = route_positions(
             self, module, plan, [(f"{n}.base_model", m.base_model) for n, m in hf_models]
         )
@@ -75,6 +76,27 @@ class ContextParallel:
             f"cp={self.size} ({self.mode.value}, {self.sharding.value}); attention: {self.attention_route}; "
             f"positions: {self.position_route}"
         )
+
+    def wrap_forward(self, module: nn.Module, sharded: Callable[..., Any]) -> None:
+        """While a shard is current, ``module.forward(*a, **k)`` runs ``sharded(original_forward, *a, **k)``."""
+        original = module.forward
+        had_own = "forward" in vars(module)
+
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if self.current is None:
+                return original(*args, **kwargs)
+            return sharded(original, *args, **kwargs)
+
+        module.forward = forward
+
+        def undo() -> None:
+            if had_own:
+                module.forward = original
+            else:
+                del module.forward
+
+        self.undo.append(undo)
 
     def remove(self) -> None:
         self.end()
@@ -118,8 +140,7 @@ class ContextParallel:
         for t in _tensors(batch):
             if not t.is_floating_point():
                 digest = digest + t.sum().to(torch.int64).cpu()
-        device = self.current_shard.positions.device if self.current is not None else digest.device
-        extremes = torch.stack([digest, -digest]).to(device)
+        extremes = torch.stack([digest, -digest]).to(self.current_shard.positions.device)
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group)
         if int(extremes[0]) != -int(extremes[1]):  # max != min: some peer read something else
             raise ContextParallelError(

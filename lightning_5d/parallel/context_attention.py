@@ -93,25 +93,12 @@ class _SdpaAsRing(TorchFunctionMode):
 
 def route_sdpa(cp: "ContextParallel", attention: nn.Module, where: str) -> None:
     """Make ``attention``'s SDPA call ring attention while a shard is current."""
-    original = attention.forward
-    had_own = "forward" in vars(attention)
 
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if cp.current is None:
-            return original(*args, **kwargs)
+    def sharded(original: Any, *args: Any, **kwargs: Any) -> Any:
         with _SdpaAsRing(cp, where):
             return original(*args, **kwargs)
 
-    attention.forward = forward
-
-    def undo() -> None:
-        if had_own:
-            attention.forward = original
-        else:
-            del attention.forward
-
-    cp.undo.append(undo)
+    cp.wrap_forward(attention, sharded)
 
 
 def hf_ring_attention(
@@ -166,7 +153,9 @@ def route_hugging_face(cp: "ContextParallel", models: list[tuple[str, nn.Module]
                 f"{name or 'the model'} ({type(model).__name__}) does not dispatch attention through Hugging Face's "
                 f"AttentionInterface, so cp={cp.size} cannot route it to ring attention; use cp=1 for this model."
             )
-        handle = model.register_forward_pre_hook(functools.partial(_check_hf_call, cp, name), with_kwargs=True)
+        signature = inspect.signature(model.forward)
+        check = functools.partial(_check_hf_call, cp, name, signature)
+        handle = model.register_forward_pre_hook(check, with_kwargs=True)
         cp.undo.append(handle.remove)
 
 
@@ -194,11 +183,13 @@ class HuggingFaceSwitch:
             self._saved = None
 
 
-def _check_hf_call(cp: "ContextParallel", name: str, model: nn.Module, args: tuple, kwargs: dict) -> Any:
+def _check_hf_call(
+    cp: "ContextParallel", name: str, signature: inspect.Signature, model: nn.Module, args: tuple, kwargs: dict
+) -> Any:  # fmt: skip
     if cp.current is None:
         return None
     try:
-        bound = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments
+        bound = signature.bind_partial(*args, **kwargs).arguments
     except TypeError:
         bound = kwargs
     if bound.get("labels") is not None:
@@ -222,9 +213,13 @@ def _check_hf_call(cp: "ContextParallel", name: str, model: nn.Module, args: tup
     return None
 
 
-def route_attention(cp: "ContextParallel", module: nn.Module, plan: ModelPlan) -> str:
-    """Install the route for every block's attention; returns a one-line description."""
-    models = hugging_face_models(module)
+def route_attention(
+    cp: "ContextParallel", module: nn.Module, plan: ModelPlan, models: list[tuple[str, nn.Module]]
+) -> str:  # fmt: skip
+    """Install the route for every block's attention; returns a one-line description.
+
+    ``models``: the Hugging Face models in ``module`` (:func:`hugging_face_models`).
+    """
     if models:
         route_hugging_face(cp, models)
         return f"Hugging Face attention interface '{HF_IMPLEMENTATION}' (selected during steps)"

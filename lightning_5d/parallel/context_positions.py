@@ -118,28 +118,15 @@ def _inject(cp: "ContextParallel", where: str, index: int, module: nn.Module, ar
 
 
 def _slice_rotary(cp: "ContextParallel", rotary: nn.Module) -> None:
-    original = rotary.forward
-    signature = inspect.signature(original)
+    signature = inspect.signature(rotary.forward)
 
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        shard = cp.current
-        if shard is None:
-            return original(*args, **kwargs)
+    def sharded(original: Any, *args: Any, **kwargs: Any) -> Any:
+        shard = cp.current_shard
         bound = signature.bind(*args, **kwargs)
         bound.arguments["seq_len"] = shard.seq_len
         return _rows_at(original(*bound.args, **bound.kwargs), shard.positions, shard.seq_len)
 
-    had_own = "forward" in vars(rotary)
-    rotary.forward = forward
-
-    def undo() -> None:
-        if had_own:
-            rotary.forward = original
-        else:
-            del rotary.forward
-
-    cp.undo.append(undo)
+    cp.wrap_forward(rotary, sharded)
 
 
 def _rows_at(out: Any, positions: Tensor, seq_len: int) -> Any:
