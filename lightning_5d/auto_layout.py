@@ -19,8 +19,10 @@ from lightning_5d.config import IMPLEMENTED_DIMS, LayoutError, ParallelConfig
 _FP32_PRECISIONS = ("32", "32-true", "64", "64-true")
 # Not cp: at setup the planner cannot see the data's sequence length (it must divide by
 # 2*cp) nor whether batches carry aligned labels, a contract cp needs and a user who gave
-# no sizes never agreed to. `l5d plan` ranks cp layouts for a stated sequence length.
-AUTO_DIMS = IMPLEMENTED_DIMS - {"cp"}
+# no sizes never agreed to. Not pp either: the batch must split into the schedule's
+# microbatches and the step must run the model's blocks, neither visible at setup.
+# `l5d plan` ranks cp and pp layouts for a stated sequence length and batch.
+AUTO_DIMS = IMPLEMENTED_DIMS - {"cp", "pp"}
 
 
 def device_memory_gib(device: torch.device, local_processes: int) -> float:

@@ -22,7 +22,7 @@ MESH_DIMS = frozenset(DEFAULT_RANK_ORDER)
 
 # Dimensions whose implementation has landed. A size > 1 for any other raises
 # DimensionNotAvailableError instead of silently training without it.
-IMPLEMENTED_DIMS = frozenset({"dp_replicate", "dp_shard", "tp", "cp"})
+IMPLEMENTED_DIMS = frozenset({"dp_replicate", "dp_shard", "tp", "cp", "pp"})
 
 
 class LayoutError(ValueError):
@@ -69,11 +69,22 @@ class SequenceSharding(str, Enum):
     CONTIGUOUS = "contiguous"  # cp chunks in order: rank r does r+1 causal blocks
 
 
+class StageBalance(str, Enum):
+    """How blocks are spread over the pipeline stages when no boundaries are given."""
+
+    PARAMETERS = "parameters"  # equal block parameters per stage
+    COST = "cost"  # equal matmul work: the head's parameters count on the last stage too
+
+
 @dataclass
 class PipelineConfig:
     schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
     microbatches: int | None = None  # None: 2 * pp, enough to keep the 1F1B bubble < 1/3
     virtual_stages: int = 1
+    balance: StageBalance = StageBalance.COST
+    # Blocks per stage, in stage order (pp * virtual_stages entries); overrides `balance`.
+    stage_blocks: list[int] | None = None
+    log_bubble: bool = False  # log the measured idle fraction of each step as `pp_bubble`
 
 
 @dataclass
@@ -121,6 +132,9 @@ class ParallelConfig:
             if isinstance(value, Mapping):
                 setattr(self, name, _section_from_mapping(_SECTIONS[name], value, name))
         self.pipeline.schedule = _coerce_enum(PipelineSchedule, self.pipeline.schedule, "pipeline.schedule")
+        self.pipeline.balance = _coerce_enum(StageBalance, self.pipeline.balance, "pipeline.balance")
+        if self.pipeline.stage_blocks is not None:
+            self.pipeline.stage_blocks = [int(n) for n in self.pipeline.stage_blocks]
         self.context.mode = _coerce_enum(ContextParallelMode, self.context.mode, "context.mode")
         self.context.sharding = _coerce_enum(SequenceSharding, self.context.sharding, "context.sharding")
         self.rank_order = tuple(self.rank_order)
@@ -295,6 +309,16 @@ def validate_early(config: ParallelConfig) -> None:
         raise LayoutError(f"pipeline.virtual_stages={pipe.virtual_stages} must be >= 1.")
     if pipe.microbatches is not None and pipe.microbatches < 1:
         raise LayoutError(f"pipeline.microbatches={pipe.microbatches} must be >= 1.")
+    if config.pp != AUTO and config.pp > 1:
+        from lightning_5d.parallel.pipeline_schedule import check_schedule, default_microbatches
+
+        v = pipe.virtual_stages
+        check_schedule(pipe.schedule, config.pp, v, pipe.microbatches or default_microbatches(config.pp, v))
+        if pipe.stage_blocks is not None and len(pipe.stage_blocks) != config.pp * v:
+            raise LayoutError(
+                f"pipeline.stage_blocks={pipe.stage_blocks} has {len(pipe.stage_blocks)} entries; pp={config.pp} x "
+                f"virtual_stages={v} needs {config.pp * v} (blocks per stage, in stage order)."
+            )
 
 
 def _version() -> str:

@@ -37,6 +37,7 @@ from lightning_5d.parallel.context import ContextParallel, ContextParallelError
 from lightning_5d.parallel.data import ZeroDataParallel, broadcast_module
 from lightning_5d.parallel.fsdp import apply_fsdp, set_gradient_sync
 from lightning_5d.parallel.grad_norm import clip_grad_norm_
+from lightning_5d.parallel.pipeline import PipelineError, PipelineMode, PipelineParallel, apply_logs
 from lightning_5d.parallel.tensor import TensorParallel
 from lightning_5d.parallel.vocab import loss_parallel_region
 from lightning_5d.plan import describe, discover
@@ -104,6 +105,8 @@ class FiveDStrategy(ParallelStrategy):
         self._tp: TensorParallel | None = None
         self._tp_sharded_ids: set[int] = set()
         self._cp: ContextParallel | None = None
+        self._pp: PipelineParallel | None = None
+        self._pp_grads: dict = {}
         self._in_backward_sync_block = False
         self.num_nodes = 1
 
@@ -125,6 +128,11 @@ class FiveDStrategy(ParallelStrategy):
         if self._mesh is None:
             raise RuntimeError("the device mesh exists only after the process group has started.")
         return self._mesh
+
+    @property
+    def pipeline(self) -> PipelineParallel | None:
+        """This rank's pipeline stages and the timings of the last pipeline run (``None`` when pp=1)."""
+        return self._pp
 
     @property
     def context_parallel(self) -> ContextParallel | None:
@@ -233,9 +241,9 @@ class FiveDStrategy(ParallelStrategy):
                 for optimizer in self.optimizers:
                     self._zero.shard_optimizer(optimizer)
         self.setup_precision_plugin()
-        if self._tp is not None:
+        if self._tp is not None or self._pp is not None:
             # Lightning's clipping sees only this rank's pieces; ours takes the global norm.
-            self._tp_sharded_ids = self._tp_sharded_param_ids()
+            self._tp_sharded_ids = self._tp_sharded_param_ids() if self._tp is not None else set()
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -245,11 +253,13 @@ class FiveDStrategy(ParallelStrategy):
         if self._zero is not None:
             self._zero.active = True  # fit after validate: same module, same engine
             return
-        if self._fsdp_units:
+        if self._fsdp_units or self._pp is not None:
             return
         broadcast_module(module, self.mesh)
-        tp, cp = self.mesh.size("tp"), self.mesh.size("cp")
-        plan = discover(module, self.config.model_plan) if tp > 1 or cp > 1 else None
+        tp, cp, pp = self.mesh.size("tp"), self.mesh.size("cp"), self.mesh.size("pp")
+        if pp > 1:
+            self._check_pipeline_supported(module)
+        plan = discover(module, self.config.model_plan) if tp > 1 or cp > 1 or pp > 1 else None
         if plan is not None:
             rank_zero_info(f"[lightning_5d] model plan:\n{describe(plan)}")
         if tp > 1:
@@ -262,6 +272,9 @@ class FiveDStrategy(ParallelStrategy):
         if self.config.activation_checkpointing != ActivationCheckpointing.NONE:
             _, blocks = require_blocks(module, f"activation_checkpointing={self.config.activation_checkpointing.value}")
             apply_activation_checkpointing(blocks, self.config.activation_checkpointing)
+        if pp > 1:
+            self._pp = PipelineParallel(module, plan, self.mesh, self.config.pipeline)
+            rank_zero_info(f"[lightning_5d] pipeline: {self._pp.describe()}")
         if self.config.zero == ZeroStage.PARAMETERS:
             _, blocks = find_blocks(module)
             self._fsdp_units = apply_fsdp(module, blocks, self.mesh)
@@ -302,6 +315,8 @@ class FiveDStrategy(ParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if self._pp is not None:
+            return self._pipeline_backward(closure_loss)
         try:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         finally:
@@ -340,8 +355,74 @@ class FiveDStrategy(ParallelStrategy):
             self._cp.end()
         return out
 
+    def _pipeline_step(self, mode: PipelineMode, step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """One Lightning batch as one pipeline run; the user's step runs per microbatch on each stage."""
+        assert self._pp is not None
+        module = self.lightning_module
+        batch, rest = args[0], args[1:]
+        earlier: dict = {}
+        if mode == PipelineMode.TRAIN:
+            trainer = module.trainer
+            self._pp.loss_scale = 1.0 / trainer.accumulate_grad_batches
+            # The schedule divides every gradient it finds by m, so gradients of earlier runs in
+            # this accumulation window wait outside; the window's first run starts from zero
+            # (Lightning zeroes after the step, before backward: too late for the schedule's backward).
+            if rest and rest[0] % trainer.accumulate_grad_batches != 0:
+                earlier = {p: p.grad for p in module.parameters() if p.grad is not None}
+            for p in module.parameters():
+                p.grad = None
+        if self._zero is not None:
+            self._zero.paused = True  # the schedule's many backwards: reduce once, afterwards
+        try:
+            with self._step_region():
+                out, logged = self._pp.run(mode, lambda mb: step(mb, *rest, **kwargs), batch)
+        finally:
+            if self._zero is not None:
+                self._zero.paused = False
+        if mode == PipelineMode.TRAIN:
+            # Out of reach of Lightning's zero_grad until our backward hook puts them back.
+            grads = {p: p.grad for p in module.parameters() if p.grad is not None}
+            for p in grads:
+                p.grad = None
+            for p, g in earlier.items():
+                grads[p] = g if p not in grads else grads[p] + g
+            self._pp_grads = grads
+            if self.config.pipeline.log_bubble:
+                bubble = torch.tensor(self._pp.times.bubble, dtype=torch.float64)
+                dist.all_reduce(bubble, group=self.mesh.group("pp"))
+                logged = [*logged, ("pp_bubble", float(bubble) / self._pp.pp, {"prog_bar": False})]
+        apply_logs(module, logged, self.root_device)
+        return out
+
+    def _pipeline_backward(self, closure_loss: Tensor) -> Tensor:
+        """The schedule already ran the backward: restore its gradients, fire the hooks, reduce."""
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        for p, g in self._pp_grads.items():
+            p.grad = g
+        self._pp_grads = {}
+        if self._zero is not None:
+            self._zero.reduce_now()
+        return self.precision_plugin.post_backward(closure_loss, module)
+
+    def _check_pipeline_supported(self, module: torch.nn.Module) -> None:
+        if not module.automatic_optimization:
+            raise PipelineError(
+                "pp > 1 needs automatic optimization: the pipeline schedule runs every microbatch's backward, so "
+                "a training_step that calls manual_backward cannot run under it. Use pp=1 for this module."
+            )
+        if self.config.zero == ZeroStage.PARAMETERS:
+            raise PipelineError(
+                "zero=3 with pp > 1 is not supported yet: use zero=1 (or 2) with pp, which keeps the parameters "
+                "whole on each stage and shards the optimizer states over the data ranks."
+            )
+        if self.mesh.size("cp") > 1:
+            raise PipelineError("cp > 1 with pp > 1 is not supported yet; use one of them per run.")
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pp is not None:
+            return self._pipeline_step(PipelineMode.TRAIN, super().training_step, args, kwargs)
         # Automatic optimization runs backward after the step returns: the shard stays current
         # until then, for activation-checkpoint recomputation (see backward). Manual
         # optimization runs its backward(s) inside the step.
@@ -350,10 +431,14 @@ class FiveDStrategy(ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pp is not None:
+            return self._pipeline_step(PipelineMode.EVAL, super().validation_step, args, kwargs)
         return self._run_step(super().validation_step, args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pp is not None:
+            return self._pipeline_step(PipelineMode.EVAL, super().test_step, args, kwargs)
         return self._run_step(super().test_step, args, kwargs)
 
     @override
@@ -363,13 +448,20 @@ class FiveDStrategy(ParallelStrategy):
                 f"predict under cp={self._cp.size} would return each rank's sequence shard; run predict with a "
                 f"FiveDStrategy with cp=1 (checkpoints hold full tensors and load there unchanged)."
             )
+        if self._pp is not None:
+            return self._pipeline_step(PipelineMode.EVAL, super().predict_step, args, kwargs)
         return super().predict_step(*args, **kwargs)
 
     def _clip_grad_by_norm(self, optimizer, clip_val: int | float) -> None:
-        assert self._tp is not None
         params = [p for group in optimizer.param_groups for p in group["params"]]
         sharded = self._tp_sharded_ids
-        clip_grad_norm_(params, float(clip_val), lambda p: id(p) in sharded, self._tp.group)
+        clip_grad_norm_(
+            params,
+            float(clip_val),
+            lambda p: id(p) in sharded,
+            self._tp.group if self._tp is not None else None,
+            stage_group=self._pp.group if self._pp is not None else None,
+        )
 
     def _tp_sharded_param_ids(self) -> set[int]:
         """ids of the parameters the optimizers see (ZeRO master slices included) that hold TP shards."""
@@ -415,13 +507,20 @@ class FiveDStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        tp = self._tp is not None
-        state = ckpt.full_model_state(self.lightning_module, sharded=bool(self._fsdp_units), every_rank=tp)
-        return self._tp.full_state(state) if self._tp is not None else state
+        every_rank = self._tp is not None or self._pp is not None
+        state = ckpt.full_model_state(self.lightning_module, sharded=bool(self._fsdp_units), every_rank=every_rank)
+        if self._tp is not None:
+            state = self._tp.full_state(state)
+        return self._pp.full_state(state) if self._pp is not None else state
 
     @override
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         optimizer = getattr(optimizer, "_optimizer", optimizer)
+        if self._pp is not None:
+            raise ckpt.CheckpointError(
+                "saving optimizer state under pp > 1 is not supported yet (each stage holds its own); "
+                "save weights only (ModelCheckpoint(save_weights_only=True)) or train with pp=1."
+            )
         if self._zero is None:  # FSDP2, or no data-parallel peers: torch's own full format
             state = ckpt.dcp_optimizer_state(self.lightning_module, optimizer, every_rank=self._tp is not None)
         else:

@@ -88,11 +88,12 @@ def validate(cfg: DictConfig):
     Runs in the Hydra job before anything is launched. Returns the
     :class:`~lightning_5d.config.Layout`.
     """
-    from lightning_5d.config import ParallelConfig
+    from lightning_5d.config import ParallelConfig, validate_early
 
     devices = _positive_int(cfg, "devices")
     num_nodes = _positive_int(cfg, "num_nodes")
     parallel = ParallelConfig.from_mapping(OmegaConf.to_container(cfg.parallel, resolve=True))
+    validate_early(parallel)
     layout = parallel.resolve(devices * num_nodes)
     if "model" in cfg:
         from lightning_5d.models import LlamaConfig
@@ -103,6 +104,8 @@ def validate(cfg: DictConfig):
             raise ConfigError(f"model: {err}") from None
         if layout.tp > 1:
             _check_tensor_parallel(model_config, parallel, layout.tp)
+    if layout.pp > 1:
+        _check_pipeline(cfg, parallel, layout.pp)
     if layout.cp > 1 and "data" in cfg and "seq_len" in cfg.data:
         from lightning_5d.parallel.context_batch import check_sequence_length
 
@@ -111,6 +114,24 @@ def validate(cfg: DictConfig):
     if mode not in ("auto", "torchrun", "inprocess"):
         raise ConfigError(f"launcher.mode={mode!r} must be one of 'auto', 'torchrun', 'inprocess'.")
     return layout
+
+
+def _check_pipeline(cfg: DictConfig, parallel: Any, pp: int) -> None:
+    """Blocks per stage and microbatches per batch, here rather than after every rank started."""
+    from lightning_5d.parallel.pipeline import PipelineError
+    from lightning_5d.parallel.pipeline_schedule import check_stage_count, default_microbatches
+
+    v = parallel.pipeline.virtual_stages
+    m = parallel.pipeline.microbatches or default_microbatches(pp, v)
+    if "model" in cfg and "num_layers" in cfg.model:
+        check_stage_count(_positive_int(cfg.model, "num_layers"), pp, v)
+    if "data" in cfg and "batch_size" in cfg.data:
+        batch = _positive_int(cfg.data, "batch_size")
+        if batch % m:
+            raise PipelineError(
+                f"data.batch_size={batch} does not split into pipeline.microbatches={m}; set data.batch_size to a "
+                f"multiple of {m} (e.g. {m * max(1, round(batch / m))}) or microbatches to a divisor of {batch}."
+            )
 
 
 def _check_tensor_parallel(model_config: Any, parallel: Any, tp: int) -> None:

@@ -103,6 +103,7 @@ class ZeroDataParallel:
         self._reduce_dtype = reduce_dtype  # None: the master dtype of each bucket
         self.require_sync = True
         self.active = True  # False between a Trainer's teardown and the next setup
+        self.paused = False  # True while a pipeline schedule runs its many backwards
         # Gradients are averaged over every rank that saw different tokens (dp x cp) ...
         self._average_group = mesh.group("dp_cp")
         self._average_size = mesh.size("dp_cp")
@@ -168,7 +169,7 @@ class ZeroDataParallel:
     @property
     def _syncing(self) -> bool:
         # Stage 2 frees full gradients as it goes, so it must reduce on every micro-batch.
-        return self.active and (self.require_sync or self.stage == ZeroStage.GRADIENTS)
+        return self.active and not self.paused and (self.require_sync or self.stage == ZeroStage.GRADIENTS)
 
     def start_backward(self) -> None:
         """Before each backward run by the strategy."""
@@ -202,6 +203,16 @@ class ZeroDataParallel:
     def _end_of_backward(self) -> None:
         self._callback_queued = False
         self._sync()
+
+    def reduce_now(self) -> None:
+        """After backwards the hooks did not follow (a pipeline schedule's): reduce as after one backward.
+
+        Under gradient accumulation only the window's last run reduces (stage 2 reduces every
+        run, as it does for every backward); the gradients keep accumulating until then.
+        """
+        if self._syncing:
+            self.start_backward()
+            self._sync()
 
     def finish_gradient_sync(self) -> None:
         """After a backward run by the strategy: sync if no gradient hook did (no parameter got

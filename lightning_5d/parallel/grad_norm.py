@@ -37,7 +37,9 @@ def total_grad_norm(
     is_tp_sharded: Callable[[Tensor], bool],
     tp_group: dist.ProcessGroup | None,
     norm_type: float = 2.0,
+    stage_group: dist.ProcessGroup | None = None,
 ) -> Tensor:
+    """``stage_group``: ranks holding disjoint parameters (pipeline stages), whose parts add up."""
     params = [p for p in parameters if p.grad is not None]
     sharded = [p.grad for p in params if is_tp_sharded(p)]
     replicated = [p.grad for p in params if not is_tp_sharded(p)]
@@ -47,11 +49,17 @@ def total_grad_norm(
     if math.isinf(norm_type):
         if tp_group is not None:
             dist.all_reduce(tp_part, op=dist.ReduceOp.MAX, group=tp_group)
-        return torch.maximum(tp_part, rep_part)
+        total = torch.maximum(tp_part, rep_part)
+        if stage_group is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=stage_group)
+        return total
     powered = tp_part.double() ** norm_type
     if tp_group is not None:
         dist.all_reduce(powered, group=tp_group)
-    return ((powered + rep_part.double() ** norm_type) ** (1.0 / norm_type)).to(tp_part.dtype)
+    powered = powered + rep_part.double() ** norm_type
+    if stage_group is not None:
+        dist.all_reduce(powered, group=stage_group)
+    return (powered ** (1.0 / norm_type)).to(tp_part.dtype)
 
 
 def clip_grad_norm_(
@@ -60,10 +68,11 @@ def clip_grad_norm_(
     is_tp_sharded: Callable[[Tensor], bool],
     tp_group: dist.ProcessGroup | None,
     norm_type: float = 2.0,
+    stage_group: dist.ProcessGroup | None = None,
 ) -> Tensor:
     """``torch.nn.utils.clip_grad_norm_`` with the global norm of :func:`total_grad_norm`."""
     params = [p for p in parameters if p.grad is not None]
-    total = total_grad_norm(params, is_tp_sharded, tp_group, norm_type)
+    total = total_grad_norm(params, is_tp_sharded, tp_group, norm_type, stage_group)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
         g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad

@@ -34,7 +34,7 @@ def test_layout_that_does_not_divide_names_the_numbers(kwargs, world, needle):
     assert str(world) in str(err.value)
 
 
-@pytest.mark.parametrize("dim", ["pp"])
+@pytest.mark.parametrize("dim", ["ep"])
 def test_dimension_not_available_yet_is_an_error_not_a_fallback(dim):
     with pytest.raises(DimensionNotAvailableError, match=f"{dim}=2: this dimension is not available yet"):
         ParallelConfig(**{dim: 2}).resolve(4)

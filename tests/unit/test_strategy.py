@@ -32,8 +32,8 @@ def test_bad_layout_fails_when_the_trainer_is_built():
 
 
 def test_unavailable_dimension_fails_in_the_constructor():
-    with pytest.raises(DimensionNotAvailableError, match="pp=2"):
-        FiveDStrategy(pp=2)
+    with pytest.raises(DimensionNotAvailableError, match="ep=2"):
+        FiveDStrategy(ep=2)
 
 
 def test_from_config_mapping():

@@ -12,16 +12,16 @@ from torch.utils.data import default_collate
 from tests_support import BATCH_SIZE, make_datamodule
 
 
-def build_hf_model(name: str):
+def build_hf_model(name: str, layers: int = 2):
     import transformers as tf
 
     common = dict(vocab_size=256, tie_word_embeddings=False)
     if name == "llama":  # grouped-query attention: 8 query heads share 4 kv heads
-        config = tf.LlamaConfig(**common, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        config = tf.LlamaConfig(**common, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                                 num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64)  # fmt: skip
         return tf.LlamaForCausalLM(config)
     if name == "qwen2":  # biases on q/k/v
-        config = tf.Qwen2Config(**common, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        config = tf.Qwen2Config(**common, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                                 num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64)  # fmt: skip
         return tf.Qwen2ForCausalLM(config)
     if name == "gpt2":  # fused c_attn Conv1D, learned positions, tied head
@@ -34,9 +34,9 @@ def build_hf_model(name: str):
 class CausalLM(L.LightningModule):
     """The obvious LightningModule around a Hugging Face model (plus a loss record)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, layers: int = 2):
         super().__init__()
-        self.model = build_hf_model(name)
+        self.model = build_hf_model(name, layers)
         self.losses = []
 
     def compute_loss(self, batch):
@@ -54,15 +54,16 @@ class CausalLM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.0)
 
 
-def hf_reference_run(name: str, steps: int, data_ranks: int, dtype=torch.float32):
+def hf_reference_run(name: str, steps: int, data_ranks: int, dtype=torch.float32, layers: int = 2,
+                     batch_size: int = BATCH_SIZE):  # fmt: skip
     """One process, same init and the same global batches as the multi-process run."""
     L.seed_everything(0, verbose=False)
-    module = CausalLM(name).to(dtype)
-    dm = make_datamodule()
+    module = CausalLM(name, layers).to(dtype)
+    dm = make_datamodule(batch_size=batch_size)
     dm.setup("fit")
     dataset = dm.train_dataset
     optimizer = module.configure_optimizers()
-    global_batch = BATCH_SIZE * data_ranks
+    global_batch = batch_size * data_ranks
     perm = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0)).tolist()
     losses = []
     for step in range(steps):

@@ -13,14 +13,15 @@ from tests_support import BATCH_SIZE, MODELS, RecordingLM, make_datamodule
 
 
 def reference_run(steps: int, data_ranks: int, accumulate: int = 1, clip: float | None = None,
-                  dtype: torch.dtype = torch.float32, num_samples: int | None = None, model: str = "tiny"):  # fmt: skip
+                  dtype: torch.dtype = torch.float32, num_samples: int | None = None, model: str = "tiny",
+                  batch_size: int = BATCH_SIZE):  # fmt: skip
     L.seed_everything(0, verbose=False)
     model = RecordingLM(config=MODELS[model]).to(dtype)
     dm = make_datamodule(num_samples)
     dm.setup("fit")
     dataset = dm.train_dataset
     optimizer = model.configure_optimizers()
-    global_batch = BATCH_SIZE * data_ranks
+    global_batch = batch_size * data_ranks
     batches_per_epoch = len(dataset) // global_batch
     losses = []
     for step in range(steps):

@@ -14,6 +14,7 @@ MODELS = {
     "tiny": TINY,
     "tiny_kv4": replace(TINY, num_kv_heads=4),  # tp=4 needs 4 kv heads
     "tiny_tied": replace(TINY, tie_embeddings=True),
+    "tiny_deep": replace(TINY, num_layers=8),  # pp=4 x virtual_stages=2 needs 8 blocks
     "tiny_moe": replace(TINY, num_experts=4, experts_top_k=2, num_shared_experts=1, moe_intermediate_size=64),
 }
 SEQ_LEN = 32
@@ -37,9 +38,9 @@ class RecordingLM(LlamaLM):
         return loss
 
 
-def make_datamodule(num_samples: int | None = None) -> TextDataModule:
+def make_datamodule(num_samples: int | None = None, batch_size: int = BATCH_SIZE) -> TextDataModule:
     return TextDataModule(
-        seq_len=SEQ_LEN, batch_size=BATCH_SIZE, num_samples=num_samples or NUM_SAMPLES, val_samples=16
+        seq_len=SEQ_LEN, batch_size=batch_size, num_samples=num_samples or NUM_SAMPLES, val_samples=16
     )
 
 

@@ -24,16 +24,36 @@ parser.add_argument("--cp", type=int, default=1)
 parser.add_argument("--cp-mode", default="ring", choices=["ring", "allgather"])
 parser.add_argument("--zero", type=int, default=1)
 parser.add_argument("--steps", type=int, default=5)
+parser.add_argument("--pp", type=int, default=1)
+parser.add_argument("--schedule", default="1f1b")
+parser.add_argument("--virtual-stages", type=int, default=1)
+parser.add_argument("--microbatches", type=int, default=None)
+parser.add_argument("--layers", type=int, default=2)
+parser.add_argument("--batch-size", type=int, default=None)
 parser.add_argument("--precision", default="32-true")
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 
 L.seed_everything(0)
-module = CausalLM(args.model)
+module = CausalLM(args.model, args.layers)
 strategy = lightning_5d.FiveDStrategy(
     tp=args.tp, cp=args.cp, context={"mode": args.cp_mode}, sequence_parallel=args.sp, zero=args.zero,
-    bucket_size_mb=0.05,
+    bucket_size_mb=0.05, pp=args.pp,
+    pipeline={"schedule": args.schedule, "virtual_stages": args.virtual_stages, "microbatches": args.microbatches},
 )
+
+
+class RecordReturned(L.Callback):
+    """Under pp the step runs per microbatch on the last stage: record what every rank got back."""
+
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(outputs["loss"].detach().clone().float())
+
+
+returned = RecordReturned()
 trainer = L.Trainer(
     accelerator="cpu",
     strategy=strategy,
@@ -45,11 +65,12 @@ trainer = L.Trainer(
     enable_progress_bar=False,
     enable_model_summary=False,
     limit_val_batches=0,
+    callbacks=[returned],
 )
-trainer.fit(module, datamodule=make_datamodule())
+trainer.fit(module, datamodule=make_datamodule(**({"batch_size": args.batch_size} if args.batch_size else {})))
 # Ring attention is the model's implementation during steps only; after fit it has its own back.
 assert module.model.config._attn_implementation != "lightning_5d_ring", module.model.config._attn_implementation
-losses = torch.stack(module.losses)
+losses = torch.stack(module.losses if args.pp == 1 else returned.losses)
 dist.all_reduce(losses, group=strategy.mesh.group("dp"))
 losses /= strategy.mesh.data_size
 state = strategy.lightning_module_state_dict()

@@ -26,6 +26,12 @@ parser.add_argument("--sp", action="store_true", help="sequence parallelism (wit
 parser.add_argument("--cp", type=int, default=1)
 parser.add_argument("--cp-mode", default="ring", choices=["ring", "allgather"])
 parser.add_argument("--cp-sharding", default="zigzag", choices=["zigzag", "contiguous"])
+parser.add_argument("--pp", type=int, default=1)
+parser.add_argument("--batch-size", type=int, default=None)
+parser.add_argument("--val-batches", type=int, default=0, help="validation batches per epoch (and sanity check)")
+parser.add_argument("--schedule", default="1f1b")
+parser.add_argument("--microbatches", type=int, default=None)
+parser.add_argument("--virtual-stages", type=int, default=1)
 parser.add_argument("--model", default="tiny", choices=sorted(MODELS))
 parser.add_argument("--accumulate", type=int, default=1)
 parser.add_argument("--clip", type=float, default=None)
@@ -71,14 +77,32 @@ else:
         dp_replicate=args.dp_replicate,
         tp=args.tp,
         cp=args.cp,
+        pp=args.pp,
+        pipeline={
+            "schedule": args.schedule,
+            "microbatches": args.microbatches,
+            "virtual_stages": args.virtual_stages,
+            "log_bubble": args.pp > 1,
+        },
         context={"mode": args.cp_mode, "sharding": args.cp_sharding},
         sequence_parallel=args.sp,
         zero=int(args.zero),
         activation_checkpointing=args.ac,
         bucket_size_mb=0.05,
     )
+class RecordLogged(L.Callback):
+    """Under pp the step runs once per microbatch on the last stage only: record what every rank logged."""
+
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(trainer.callback_metrics["train_loss"].detach().clone().float())
+
+
 measure = MeasureModelState()
-callbacks = [measure]
+logged_losses = RecordLogged()
+callbacks = [measure, logged_losses]
 if args.save:
     callbacks.append(ModelCheckpoint(dirpath=args.out, filename="{epoch}", save_top_k=-1, save_on_train_epoch_end=True))
 trainer = L.Trainer(
@@ -94,13 +118,16 @@ trainer = L.Trainer(
     enable_checkpointing=args.save,
     enable_progress_bar=False,
     enable_model_summary=False,
-    limit_val_batches=0,
+    limit_val_batches=args.val_batches,
+    num_sanity_val_steps=args.val_batches,
+    val_check_interval=args.steps if args.val_batches else None,
     callbacks=callbacks,
 )
-trainer.fit(model, datamodule=make_datamodule(args.num_samples), ckpt_path=args.resume)
+batch_size = {"batch_size": args.batch_size} if args.batch_size else {}
+trainer.fit(model, datamodule=make_datamodule(args.num_samples, **batch_size), ckpt_path=args.resume)
 strategy = trainer.strategy
 
-losses = torch.stack(model.losses)
+losses = torch.stack(model.losses if args.pp == 1 else logged_losses.losses)
 dist.all_reduce(losses, group=strategy.mesh.group("dp"))
 losses /= strategy.mesh.data_size
 state = strategy.lightning_module_state_dict()  # full tensors, whatever the layout
@@ -110,7 +137,12 @@ record = {
     **measure.bytes,
     "activations": measure.activations,
     "logged_train_loss": None if logged is None else float(logged),
+    "logged_losses": [float(x) for x in logged_losses.losses],
+    "val_loss": float(trainer.callback_metrics["val_loss"]) if "val_loss" in trainer.callback_metrics else None,
 }
+if args.pp > 1:
+    record["peak_in_flight"] = strategy._pp.times.peak_in_flight
+    record["bubble"] = float(trainer.callback_metrics["pp_bubble"])
 dist.all_gather_object(per_rank, record)
 if dist.get_rank() == 0:
     out = Path(args.out)

@@ -1,0 +1,152 @@
+"""Pipeline parallelism of unchanged models: training equivalence per schedule, logging, activations in flight.
+
+Each run trains under FiveDStrategy(pp=...) and the same module in one process, fp32,
+5 steps, 8 sequences per data rank cut into microbatches: every step's loss within 1e-5
+relative and the parameter vector within 1e-5 relative. The fast tier runs 1F1B and
+interleaved 1F1B at pp=2, pp x dp with accumulation and clipping, and Hugging Face at
+pp=2; every schedule at pp=2 and pp=4, pp x tp and validation are in the full tier.
+"""
+
+import json
+
+import pytest
+import torch
+
+from hf_support import hf_reference_run
+from lightning_5d.testing import run_distributed
+from reference import reference_run
+from tests_support import LOSS_RTOL, SCRIPTS, assert_equivalent, run_layout
+
+STEPS = 5
+BATCH = 8  # per data rank: enough for dualpipev's m >= 2p at pp=4
+V = {"afab": 1, "1f1b": 1, "zero_bubble": 1, "interleaved_1f1b": 2, "zbv": 2, "dualpipev": 2}
+SCHEDULES = list(V)
+
+
+def pipeline_args(pp: int, schedule: str, microbatches: int) -> list[str]:
+    return ["--pp", str(pp), "--schedule", schedule, "--virtual-stages", str(V[schedule]),
+            "--microbatches", str(microbatches), "--batch-size", str(BATCH)]  # fmt: skip
+
+
+def check_reference(tmp_path, nproc, pp, schedule, microbatches, tp=1, sp=False, accumulate=1, clip=None):
+    result, params = run_layout(
+        tmp_path,
+        nproc,
+        zero=1,
+        accumulate=accumulate,
+        clip=clip,
+        steps=STEPS,
+        tp=tp,
+        sp=sp,
+        model="tiny_deep",
+        extra=pipeline_args(pp, schedule, microbatches),
+    )
+    assert (result["layout"]["pp"], result["layout"]["tp"]) == (pp, tp)
+    data_ranks = nproc // (pp * tp)
+    ref_losses, ref_params = reference_run(STEPS, data_ranks, accumulate, clip, model="tiny_deep", batch_size=BATCH)
+    assert_equivalent(result["losses"], params, ref_losses, ref_params)
+    # What the unchanged training_step logged: on every rank, its data rank's batch loss. With
+    # one data rank that is the reference's loss, step by step, on every pipeline stage.
+    ranks = result["model_state_bytes"]
+    if data_ranks == 1:
+        for record in ranks:
+            torch.testing.assert_close(
+                torch.tensor(record["logged_losses"]), torch.tensor(ref_losses), rtol=LOSS_RTOL, atol=0
+            )
+    return ranks
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+def test_schedule_matches_single_process(tmp_path, schedule):
+    check_reference(tmp_path, 2, 2, schedule, microbatches=4)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", ["afab", "zero_bubble", "zbv", "dualpipev"])
+def test_schedule_matches_single_process_pp2_full(tmp_path, schedule):
+    check_reference(tmp_path, 2, 2, schedule, microbatches=4)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_schedule_matches_single_process_pp4(tmp_path, schedule):
+    ranks = check_reference(tmp_path, 4, 4, schedule, microbatches=8)
+    # Activations in flight on the first stage (rank 0, stage 0): 1F1B starts the backward of
+    # microbatch 0 after p forwards; AFAB runs all m forwards first.
+    peak = ranks[0]["peak_in_flight"]["0"]
+    if schedule == "1f1b":
+        assert peak == 4, f"1F1B held {peak} microbatches on the first stage, expected p=4"
+    if schedule == "afab":
+        assert peak == 8, f"AFAB held {peak} microbatches on the first stage, expected m=8"
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_pipeline_with_data_parallel_accumulation_and_clipping(tmp_path):
+    # pp=2 x dp_shard=2 (ZeRO-1), two pipeline runs per optimizer step, global-norm clipping
+    check_reference(tmp_path, 4, 2, "1f1b", microbatches=4, accumulate=2, clip=0.5)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_pipeline_with_tensor_parallel(tmp_path):
+    check_reference(tmp_path, 4, 2, "interleaved_1f1b", microbatches=4, tp=2, sp=True)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_validation_runs_forward_only_pipeline(tmp_path):
+    # The same validation batches through the pipeline and through one process: the same val_loss.
+    piped, single = tmp_path / "pp", tmp_path / "single"
+    piped.mkdir(), single.mkdir()
+    extra = ["--val-batches", "2"]
+    pp_result, _ = run_layout(piped, 2, zero=1, steps=2, model="tiny_deep",
+                              extra=[*pipeline_args(2, "1f1b", 4), *extra])  # fmt: skip
+    one_result, _ = run_layout(single, 1, zero=1, steps=2, model="tiny_deep",
+                               extra=["--batch-size", str(BATCH), *extra])  # fmt: skip
+    pp_val = [r["val_loss"] for r in pp_result["model_state_bytes"]]
+    one_val = one_result["model_state_bytes"][0]["val_loss"]
+    assert one_val is not None and len(set(pp_val)) == 1, pp_val
+    assert pp_val[0] == pytest.approx(one_val, rel=LOSS_RTOL)
+
+
+# Hugging Face LlamaForCausalLM in the obvious LightningModule (tests/distributed/scripts/hf_support.py)
+def check_hf(tmp_path, nproc, pp, schedule, microbatches, layers, tp=1):
+    pytest.importorskip("transformers")
+    args = ["--model", "llama", "--layers", str(layers), "--tp", str(tp), "--steps", str(STEPS),
+            "--out", str(tmp_path), *pipeline_args(pp, schedule, microbatches)]  # fmt: skip
+    run_distributed(SCRIPTS / "train_hf.py", nproc, args, timeout=300).check()
+    result = json.loads((tmp_path / "result.json").read_text())
+    params = torch.load(tmp_path / "params.pt")
+    ref_losses, ref_params = hf_reference_run("llama", STEPS, nproc // (pp * tp), layers=layers, batch_size=BATCH)
+    assert_equivalent(result["losses"], params, ref_losses, ref_params)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_hugging_face_llama_matches_single_process(tmp_path):
+    check_hf(tmp_path, 2, 2, "zbv", microbatches=4, layers=4)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_hugging_face_llama_every_schedule(tmp_path, pp, schedule):
+    check_hf(tmp_path, pp, pp, schedule, microbatches=2 * pp, layers=2 * pp)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_hugging_face_llama_pipeline_with_tensor_parallel(tmp_path):
+    check_hf(tmp_path, 4, 2, "1f1b", microbatches=4, layers=2, tp=2)
