@@ -373,12 +373,19 @@ class FiveDStrategy(ParallelStrategy):
                 p.grad = None
         if self._zero is not None:
             self._zero.paused = True  # the schedule's many backwards: reduce once, afterwards
+        if self._cp is not None:
+            batch = self._cp.begin(batch)  # the sequence shard first, then its microbatches
         try:
             with self._step_region():
                 out, logged = self._pp.run(mode, lambda mb: step(mb, *rest, **kwargs), batch)
+                if mode == PipelineMode.TRAIN and self.config.pipeline.log_bubble:
+                    logged = [*logged, ("pp_bubble", self._pp.mean_bubble(), {"prog_bar": False})]
+                apply_logs(module, logged, self.root_device)  # inside: cp's token weighting applies too
         finally:
             if self._zero is not None:
                 self._zero.paused = False
+            if self._cp is not None:
+                self._cp.end()
         if mode == PipelineMode.TRAIN:
             # Out of reach of Lightning's zero_grad until our backward hook puts them back.
             grads = {p: p.grad for p in module.parameters() if p.grad is not None}
@@ -387,11 +394,6 @@ class FiveDStrategy(ParallelStrategy):
             for p, g in earlier.items():
                 grads[p] = g if p not in grads else grads[p] + g
             self._pp_grads = grads
-            if self.config.pipeline.log_bubble:
-                bubble = torch.tensor(self._pp.times.bubble, dtype=torch.float64)
-                dist.all_reduce(bubble, group=self.mesh.group("pp"))
-                logged = [*logged, ("pp_bubble", float(bubble) / self._pp.pp, {"prog_bar": False})]
-        apply_logs(module, logged, self.root_device)
         return out
 
     def _pipeline_backward(self, closure_loss: Tensor) -> Tensor:
@@ -416,8 +418,6 @@ class FiveDStrategy(ParallelStrategy):
                 "zero=3 with pp > 1 is not supported yet: use zero=1 (or 2) with pp, which keeps the parameters "
                 "whole on each stage and shards the optimizer states over the data ranks."
             )
-        if self.mesh.size("cp") > 1:
-            raise PipelineError("cp > 1 with pp > 1 is not supported yet; use one of them per run.")
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

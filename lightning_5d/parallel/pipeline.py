@@ -308,11 +308,15 @@ class PipelineParallel:
                 raise PipelineError(f"self.log({name!r}, ...) under pp: pass its options as keywords")
             records.append((name, _to_float(name, value), kwargs))
 
+        previous = vars(self.module).get("log")  # cp's token-weighted log, when it is on
         self.module.log = log  # an instance attribute shadows LightningModule.log
         try:
             yield
         finally:
-            del self.module.log
+            if previous is None:
+                del self.module.log
+            else:
+                self.module.log = previous
 
     def run(self, mode: PipelineMode, step_fn: Callable[[Any], Any], batch: Any) -> tuple[Any, list]:
         """One pipeline run of ``batch``: returns (merged step output, logged (name, mean, options)).
@@ -416,6 +420,12 @@ class PipelineParallel:
     def _scaled_loss(self, output: Tensor, target: Tensor) -> Tensor:
         # The schedule divides by m; Lightning's own 1/accumulate never reaches a backward run here.
         return output * self.loss_scale
+
+    def mean_bubble(self) -> float:
+        """The last run's idle fraction, averaged over the pipeline ranks (the same number on each)."""
+        bubble = torch.tensor(self.times.bubble, dtype=torch.float64)
+        dist.all_reduce(bubble, group=self.group)
+        return float(bubble) / self.pp
 
     # ------------------------------------------------------------------ state
     def full_state(self, state: dict[str, Tensor]) -> dict[str, Tensor]:

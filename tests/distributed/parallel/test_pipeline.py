@@ -4,7 +4,7 @@ Each run trains under FiveDStrategy(pp=...) and the same module in one process, 
 5 steps, 8 sequences per data rank cut into microbatches: every step's loss within 1e-5
 relative and the parameter vector within 1e-5 relative. The fast tier runs 1F1B and
 interleaved 1F1B at pp=2, pp x dp with accumulation and clipping, and Hugging Face at
-pp=2; every schedule at pp=2 and pp=4, pp x tp and validation are in the full tier.
+pp=2; every schedule at pp=2 and pp=4, pp x tp, pp x cp and validation are in the full tier.
 """
 
 import json
@@ -28,7 +28,7 @@ def pipeline_args(pp: int, schedule: str, microbatches: int) -> list[str]:
             "--microbatches", str(microbatches), "--batch-size", str(BATCH)]  # fmt: skip
 
 
-def check_reference(tmp_path, nproc, pp, schedule, microbatches, tp=1, sp=False, accumulate=1, clip=None):
+def check_reference(tmp_path, nproc, pp, schedule, microbatches, tp=1, sp=False, accumulate=1, clip=None, cp=1):
     result, params = run_layout(
         tmp_path,
         nproc,
@@ -38,11 +38,12 @@ def check_reference(tmp_path, nproc, pp, schedule, microbatches, tp=1, sp=False,
         steps=STEPS,
         tp=tp,
         sp=sp,
+        cp=cp,
         model="tiny_deep",
         extra=pipeline_args(pp, schedule, microbatches),
     )
-    assert (result["layout"]["pp"], result["layout"]["tp"]) == (pp, tp)
-    data_ranks = nproc // (pp * tp)
+    assert (result["layout"]["pp"], result["layout"]["tp"], result["layout"]["cp"]) == (pp, tp, cp)
+    data_ranks = nproc // (pp * tp * cp)
     ref_losses, ref_params = reference_run(STEPS, data_ranks, accumulate, clip, model="tiny_deep", batch_size=BATCH)
     assert_equivalent(result["losses"], params, ref_losses, ref_params)
     # What the unchanged training_step logged: on every rank, its data rank's batch loss. With
@@ -98,6 +99,14 @@ def test_pipeline_with_data_parallel_accumulation_and_clipping(tmp_path):
 @pytest.mark.timeout(300)
 def test_pipeline_with_tensor_parallel(tmp_path):
     check_reference(tmp_path, 4, 2, "interleaved_1f1b", microbatches=4, tp=2, sp=True)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_pipeline_with_context_parallel(tmp_path):
+    # each microbatch is a slice of this rank's sequence shard; ring attention inside every stage
+    check_reference(tmp_path, 4, 2, "1f1b", microbatches=4, cp=2)
 
 
 @pytest.mark.distributed
