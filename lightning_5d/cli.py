@@ -3,8 +3,9 @@
 ``l5d train [overrides] [-m ...]`` hands everything after ``train`` to the Hydra app in
 :mod:`lightning_5d.train`; Hydra's own flags (``--help``, ``--cfg job``, ``-m``,
 ``--config-dir``) work there. ``l5d estimate`` and ``l5d plan`` are argparse commands
-from :mod:`lightning_5d.estimate.cli`, imported only when asked for, so ``train`` works
-without it.
+from :mod:`lightning_5d.estimate.cli`, and ``l5d schedule`` (draw a pipeline schedule) is
+from :mod:`lightning_5d.pipeline_view`; both are imported only when the parser is built,
+so ``train`` works without them.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run `l5d train --help` for the recipe runner's config groups.",
     )
     parser.add_argument("--version", action="version", version=f"lightning_5d {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{train,estimate,plan}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,estimate,plan,schedule}")
     sub.add_parser(
         "train",
         help=TRAIN_HELP,
@@ -56,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
             p.set_defaults(func=_unavailable(name, err))
     else:
         estimate_cli.register(sub)
+    try:
+        from lightning_5d import pipeline_view
+    except ImportError as err:
+        p = sub.add_parser("schedule", help=f"draw a pipeline schedule (unavailable: {err})")
+        p.set_defaults(func=_unavailable("schedule", err))
+    else:
+        pipeline_view.register(sub)
     return parser
 
 

@@ -253,7 +253,14 @@ class FiveDStrategy(ParallelStrategy):
         if self._zero is not None:
             self._zero.active = True  # fit after validate: same module, same engine
             return
-        if self._fsdp_units or self._pp is not None:
+        if self._pp is not None:
+            if self._pp.module is not module:
+                raise PipelineError(
+                    "this FiveDStrategy already cut another module into pipeline stages; use a new Trainer "
+                    "(and strategy) for a different module."
+                )
+            return
+        if self._fsdp_units:
             return
         broadcast_module(module, self.mesh)
         tp, cp, pp = self.mesh.size("tp"), self.mesh.size("cp"), self.mesh.size("pp")
@@ -367,7 +374,8 @@ class FiveDStrategy(ParallelStrategy):
             # The schedule divides every gradient it finds by m, so gradients of earlier runs in
             # this accumulation window wait outside; the window's first run starts from zero
             # (Lightning zeroes after the step, before backward: too late for the schedule's backward).
-            if rest and rest[0] % trainer.accumulate_grad_batches != 0:
+            # the epoch loop's index, as Lightning's own zero_grad uses: the step may not take batch_idx
+            if trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches != 0:
                 earlier = {p: p.grad for p in module.parameters() if p.grad is not None}
             for p in module.parameters():
                 p.grad = None
@@ -400,14 +408,22 @@ class FiveDStrategy(ParallelStrategy):
         """The schedule already ran the backward: restore its gradients, fire the hooks, reduce."""
         module = self.lightning_module
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        if self._zero is not None:
+            self._zero.start_backward()  # as before any backward: it may clear the module's gradients
         for p, g in self._pp_grads.items():
             p.grad = g
         self._pp_grads = {}
         if self._zero is not None:
-            self._zero.reduce_now()
+            self._zero.finish_gradient_sync()  # no hook fired during the schedule: reduce all of them now
         return self.precision_plugin.post_backward(closure_loss, module)
 
     def _check_pipeline_supported(self, module: torch.nn.Module) -> None:
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise PipelineError(
+                "precision='16-mixed' scales the loss with a GradScaler, but under pp > 1 the pipeline schedule runs "
+                "the backward, so the scale would be undone on unscaled gradients. Use precision='bf16-mixed' or "
+                "'32-true' with pp."
+            )
         if not module.automatic_optimization:
             raise PipelineError(
                 "pp > 1 needs automatic optimization: the pipeline schedule runs every microbatch's backward, so "
@@ -550,6 +566,9 @@ class FiveDStrategy(ParallelStrategy):
         state = checkpoint["state_dict"]
         if self._tp is not None:
             state = self._tp.local_state(state)
+        if self._pp is not None:  # a full checkpoint: this rank keeps its stages' entries
+            local = set(self.lightning_module.state_dict())
+            state = {k: v for k, v in state.items() if k in local}
         ckpt.load_full_model_state(self.lightning_module, state, bool(self._fsdp_units), strict)
         if self._zero is not None:
             self._zero.refresh_masters()

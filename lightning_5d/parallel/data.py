@@ -204,16 +204,6 @@ class ZeroDataParallel:
         self._callback_queued = False
         self._sync()
 
-    def reduce_now(self) -> None:
-        """After backwards the hooks did not follow (a pipeline schedule's): reduce as after one backward.
-
-        Under gradient accumulation only the window's last run reduces (stage 2 reduces every
-        run, as it does for every backward); the gradients keep accumulating until then.
-        """
-        if self._syncing:
-            self.start_backward()
-            self._sync()
-
     def finish_gradient_sync(self) -> None:
         """After a backward run by the strategy: sync if no gradient hook did (no parameter got
         a gradient on this rank), so this rank still joins the collectives of the others."""

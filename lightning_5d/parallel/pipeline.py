@@ -33,6 +33,7 @@ from typing import Any, Callable, Generator
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch.distributed.pipelining import PipelineStage
 
 from lightning_5d.config import LayoutError, PipelineConfig, PipelineSchedule
@@ -199,8 +200,18 @@ class PipelineParallel:
         self._first_params = {plan.embedding, *([plan.position_embedding] if plan.position_embedding else [])}
         self._last_params = {p for p in (plan.final_norm, plan.head) if p}
         self._stage_modules = {spec.index: self._make_stage_module(spec) for spec in self.specs}
+        # Drop every reference to the other stages' parts: their memory goes once _rest() replaces them.
+        owned = {str(i) for spec in self.specs for i in spec.blocks}
+        self._all_blocks = {k: m for k, m in self._all_blocks.items() if k in owned}
+        first, last = any(s.is_first for s in self.specs), any(s.is_last for s in self.specs)
+        self._real = {
+            path: m
+            for path, m in self._real.items()
+            if (path in self._first_params and first) or (path in self._last_params and last)
+        }
         self._rest()
-        self._first_block_arg = _first_argument_name(blocks[0])
+        self._first_block_arg = _first_argument_name(blocks[self.specs[0].blocks.start])
+        del blocks
 
         self.times = StageTimes()
         self.current_microbatch: dict[int, int] = {}
@@ -209,6 +220,7 @@ class PipelineParallel:
         self._activation_meta: tuple[torch.Size, torch.dtype] | None = None
         self._probed_for: tuple | None = None
         self._schedules: dict[tuple, Any] = {}
+        self._mode = PipelineMode.TRAIN
         self._microbatches: list[Any] = []
         self._step_fn: Callable[[Any], Any] | None = None
         self._results: dict[int, Any] = {}
@@ -237,8 +249,7 @@ class PipelineParallel:
 
     def _rest(self) -> None:
         """Between steps: this rank's blocks (under their global indices) and the parts its stages own."""
-        owned = {str(i) for spec in self.specs for i in spec.blocks}
-        self._container._modules = {k: m for k, m in self._all_blocks.items() if k in owned}
+        self._container._modules = dict(self._all_blocks)
         first = any(s.is_first for s in self.specs)
         last = any(s.is_last for s in self.specs)
         for path in self._first_params:
@@ -297,6 +308,8 @@ class PipelineParallel:
                 f"{spec.blocks.start}..{spec.blocks.stop - 1}; under pp every step must run the model's blocks."
             )
         self._results[mb] = result
+        if not torch.is_grad_enabled() or self._mode == PipelineMode.EVAL:
+            return torch.zeros((), device=self.device)  # forward only: any output (predictions) is kept as is
         return _loss_of(result, self.device)
 
     @contextmanager
@@ -324,9 +337,19 @@ class PipelineParallel:
         Both are the last stage's, sent to every pipeline rank, so each rank returns and logs the same.
         """
         self._microbatches = split_microbatches(batch, self.microbatches)
-        self._step_fn, self._results, self._logs = step_fn, {}, {}
-        self._probe_activation()
-        schedule = self._schedule_for(mode)
+        self._step_fn, self._results, self._logs, self._mode = step_fn, {}, {}, mode
+        try:
+            self._probe_activation()
+            if mode == PipelineMode.TRAIN:
+                self._run_schedule()
+            else:
+                self._run_forward_only()
+            return self._share_last_stage_results()
+        finally:
+            self._step_fn, self._microbatches, self._results, self._logs = None, [], {}, {}
+
+    def _run_schedule(self) -> None:
+        schedule = self._schedule_for(PipelineMode.TRAIN)
         self.times.busy_s = 0.0
         self.times.peak_in_flight = {}
         for stage in self._stages_of(schedule):
@@ -334,33 +357,61 @@ class PipelineParallel:
         index = torch.arange(self.microbatches, device=self.device)
         start = time.perf_counter()
         try:
-            if mode == PipelineMode.TRAIN:
-                schedule.step(index, target=index, return_outputs=False)
-            else:
-                schedule.eval(index, target=index, return_outputs=False)
+            schedule.step(index, target=index, return_outputs=False)
         finally:
             self.times.wall_s = time.perf_counter() - start
-            self._step_fn = None
-            self._microbatches = []
-        return self._share_last_stage_results()
+
+    def _run_forward_only(self) -> None:
+        """Validation, test, predict: every microbatch forward through the stages in order.
+
+        Not torch's ``eval()``: its V schedules still run their backward actions' local
+        hand-offs with backward off. Here each stage sends its outputs as it makes them
+        (non-blocking) and the next stage's rank receives them in the same global order.
+        """
+        shape, dtype = self._activation_meta
+        pending = []
+        local: dict[tuple[int, int], Tensor] = {}
+        for s in range(self.num_stages):
+            if self.owner[s] != self.rank:
+                continue
+            for mb in range(self.microbatches):
+                if s == 0:
+                    x = torch.zeros(1, dtype=torch.long, device=self.device)
+                elif self.owner[s - 1] == self.rank:
+                    x = local.pop((s - 1, mb))
+                else:
+                    x = torch.empty(shape, dtype=dtype, device=self.device)
+                    dist.recv(x, group=self.group, group_src=self.owner[s - 1])
+                self.current_microbatch[s] = mb
+                out = self._stage_modules[s](x)
+                if s == self.num_stages - 1:
+                    continue
+                if self.owner[s + 1] == self.rank:
+                    local[(s, mb)] = out
+                else:
+                    pending.append(dist.isend(out.contiguous(), group=self.group, group_dst=self.owner[s + 1]))
+        for work in pending:
+            work.wait()
 
     def _share_last_stage_results(self) -> tuple[Any, list]:
         last_rank = self.owner[-1]
         payload = None
         if self.rank == last_rank:
             results = [self._results[i] for i in range(self.microbatches)]
-            logged = _mean_logs([self._logs.get(i, []) for i in range(self.microbatches)])
-            payload = (merge_step_outputs(results), logged)
+            logged = _combine_logs([self._logs.get(i, []) for i in range(self.microbatches)])
+            # On the host: unpickled tensors would otherwise land on the last stage's GPU everywhere.
+            payload = (apply_to_collection(merge_step_outputs(results), Tensor, lambda t: t.detach().cpu()), logged)
         box = [payload]
         dist.broadcast_object_list(box, group=self.group, group_src=last_rank)
-        return box[0]
+        out, logged = box[0]
+        return apply_to_collection(out, Tensor, lambda t: t.to(self.device)), logged
 
     def _probe_activation(self) -> None:
         """Shape and dtype of the first block's input for this microbatch shape, from the first stage."""
         key = _shapes(self._microbatches[0])
         if self._activation_meta is not None and self._probed_for == key:
             return
-        meta = None
+        meta, error = None, None
         if self.owner[0] == self.rank:
             first = self._all_blocks["0"]
             self._container._modules = {"0": first}
@@ -371,18 +422,23 @@ class PipelineParallel:
                     self._step_fn(self._microbatches[0])
             except _StageBoundary as stop:
                 meta = (tuple(stop.output.shape), stop.output.dtype)
+            except Exception as err:  # every stage must hear of it, or they wait for the shape forever
+                error = f"{type(err).__name__}: {err}"
             finally:
                 handle.remove()
                 self._logs.pop(-1, None)
                 self._rest()
-            if meta is None:
-                raise PipelineError(
+            if meta is None and error is None:
+                error = (
                     f"the step never called the model's first block ({self.plan.block_path(0)}); under pp the "
                     f"strategy runs the user's step to find the activations' shape."
                 )
-        box = [meta]
+        box = [(meta, error)]
         dist.broadcast_object_list(box, group=self.group, group_src=self.owner[0])
-        self._activation_meta = (torch.Size(box[0][0]), box[0][1])
+        meta, error = box[0]
+        if error is not None:
+            raise PipelineError(f"pipeline stage 0 could not run the step up to the first block: {error}")
+        self._activation_meta = (torch.Size(meta[0]), meta[1])
         self._probed_for = key
 
     def _schedule_for(self, mode: PipelineMode):
@@ -423,7 +479,7 @@ class PipelineParallel:
 
     def mean_bubble(self) -> float:
         """The last run's idle fraction, averaged over the pipeline ranks (the same number on each)."""
-        bubble = torch.tensor(self.times.bubble, dtype=torch.float64)
+        bubble = torch.tensor(self.times.bubble, dtype=torch.float64, device=self.device)
         dist.all_reduce(bubble, group=self.group)
         return float(bubble) / self.pp
 
@@ -496,7 +552,8 @@ def split_microbatches(batch: Any, m: int) -> list[Any]:
         if b % m:
             raise PipelineError(
                 f"a batch of {b} samples does not split into pipeline.microbatches={m}; make the DataLoader's "
-                f"batch size a multiple of {m}, or set microbatches to a divisor of {b}."
+                f"batch size a multiple of {m} (and drop_last=True, so the epoch's last batch is full too), "
+                f"or set microbatches to a divisor of {b}."
             )
 
     def cut(x: Any, i: int) -> Any:
@@ -550,14 +607,23 @@ def _to_float(name: str, value: Any) -> float:
     )
 
 
-def _mean_logs(per_microbatch: list[list[tuple[str, float, dict]]]) -> list[tuple[str, float, dict]]:
+_REDUCE = {"sum": sum, "max": max, "min": min}
+
+
+def _combine_logs(per_microbatch: list[list[tuple[str, float, dict]]]) -> list[tuple[str, float, dict]]:
+    """One value per name over the microbatches, by the log call's own ``reduce_fx`` (mean by default)."""
     values: dict[str, list[float]] = {}
     options: dict[str, dict] = {}
     for records in per_microbatch:
         for name, value, kwargs in records:
             values.setdefault(name, []).append(value)
             options[name] = kwargs
-    return [(name, sum(v) / len(v), options[name]) for name, v in values.items()]
+    combined = []
+    for name, v in values.items():
+        fx = options[name].get("reduce_fx", "mean")
+        combine = _REDUCE.get(fx if isinstance(fx, str) else getattr(fx, "__name__", ""), lambda x: sum(x) / len(x))
+        combined.append((name, float(combine(v)), options[name]))
+    return combined
 
 
 def merge_step_outputs(results: list[Any]) -> Any:

@@ -66,13 +66,18 @@ def check_schedule(schedule: PipelineSchedule | str, pp: int, v: int, microbatch
         raise LayoutError(f"{name} places exactly 2 stages per rank in a V; set pipeline.virtual_stages=2 (got {v}).")
     if microbatches < 1:
         raise LayoutError(f"pipeline.microbatches={microbatches} must be >= 1.")
-    if schedule in (PipelineSchedule.INTERLEAVED_1F1B, PipelineSchedule.ZERO_BUBBLE) and v > 1:
+    if schedule == PipelineSchedule.ONE_F_ONE_B and microbatches < pp:
+        raise LayoutError(
+            f"{name} needs at least one microbatch per stage (pp={pp}); got pipeline.microbatches={microbatches}. "
+            f"Set microbatches >= {pp}, or schedule=afab."
+        )
+    if schedule == PipelineSchedule.ZERO_BUBBLE or (schedule == PipelineSchedule.INTERLEAVED_1F1B and v > 1):
         # torch runs these in rounds of p microbatches
         rounds = max(1, microbatches // pp)
         if microbatches % rounds:
             good = sorted({pp * k for k in range(1, 5)} | {k for k in range(1, pp + 1)})
             raise LayoutError(
-                f"{name} with virtual_stages={v} runs microbatches in rounds of pp={pp}: "
+                f"{name} (virtual_stages={v}) runs microbatches in rounds of pp={pp}: "
                 f"pipeline.microbatches={microbatches} is not a multiple of its {rounds} rounds; "
                 f"use one of {good}."
             )

@@ -197,3 +197,36 @@ def test_cp_recipe_trains_and_validates(tmp_path):
     line = summary_line(proc.stdout)
     assert line["layout"] == "cp:2" and line["recipe"] == "tiny_cp" and math.isfinite(float(line["loss"]))
     check_summary(run_dir, steps=4, world=2, zero=1, data_ranks=1)  # cp=2: one data rank
+
+
+def test_schedule_draws_the_pipeline_and_its_bubble(capsys, tmp_path):
+    from lightning_5d.cli import main
+
+    assert main(["--help"]) == 0
+    assert "schedule" in capsys.readouterr().out
+    png = tmp_path / "1f1b.png"
+    args = ["schedule", "--schedule", "1f1b", "--pp", "4", "--microbatches", "8"]
+    assert main(args + (["--png", str(png)] if _has_matplotlib() else [])) == 0
+    out = capsys.readouterr().out
+    assert len([line for line in out.splitlines() if line.startswith("rank ")]) == 4
+    assert "bubble, simulated (idle / (ranks x makespan)): 27.27%" in out
+    assert "bubble, formula (1F1B (p-1)/(m+p-1)): 27.27%" in out
+    if _has_matplotlib():
+        assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_schedule_bad_input_exits_2_with_the_layout_message(capsys):
+    from lightning_5d.cli import main
+
+    assert main(["schedule", "--schedule", "zbv", "--pp", "4", "--virtual-stages", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "exactly 2 stages per rank" in err
+    assert "Traceback" not in err
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -112,13 +112,14 @@ def test_pipeline_with_context_parallel(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_validation_runs_forward_only_pipeline(tmp_path):
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_validation_runs_forward_only_pipeline(tmp_path, schedule):
     # The same validation batches through the pipeline and through one process: the same val_loss.
     piped, single = tmp_path / "pp", tmp_path / "single"
     piped.mkdir(), single.mkdir()
     extra = ["--val-batches", "2"]
     pp_result, _ = run_layout(piped, 2, zero=1, steps=2, model="tiny_deep",
-                              extra=[*pipeline_args(2, "1f1b", 4), *extra])  # fmt: skip
+                              extra=[*pipeline_args(2, schedule, 4), *extra])  # fmt: skip
     one_result, _ = run_layout(single, 1, zero=1, steps=2, model="tiny_deep",
                                extra=["--batch-size", str(BATCH), *extra])  # fmt: skip
     pp_val = [r["val_loss"] for r in pp_result["model_state_bytes"]]

@@ -7,7 +7,7 @@ from lightning_5d.models import LlamaConfig, LlamaLM
 from lightning_5d.parallel.pipeline import (
     PipelineError,
     _check_cuttable,
-    _mean_logs,
+    _combine_logs,
     merge_step_outputs,
     split_microbatches,
 )
@@ -35,8 +35,18 @@ def test_merge_step_outputs():
 
 
 def test_logged_values_are_averaged_over_microbatches_with_their_options():
-    logs = _mean_logs([[("loss", 1.0, {"prog_bar": True})], [("loss", 2.0, {"prog_bar": True})]])
+    logs = _combine_logs([[("loss", 1.0, {"prog_bar": True})], [("loss", 2.0, {"prog_bar": True})]])
     assert logs == [("loss", 1.5, {"prog_bar": True})]
+
+
+def test_logged_values_follow_their_reduce_fx():
+    logs = _combine_logs(
+        [
+            [("n", 3.0, {"reduce_fx": "sum"}), ("m", 1.0, {"reduce_fx": max})],
+            [("n", 4.0, {"reduce_fx": "sum"}), ("m", 5.0, {"reduce_fx": max})],
+        ]
+    )
+    assert dict((k, v) for k, v, _ in logs) == {"n": 7.0, "m": 5.0}
 
 
 def test_tied_embeddings_cannot_be_cut():
