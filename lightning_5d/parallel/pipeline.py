@@ -114,11 +114,14 @@ class StageSpec:
 
 @dataclass
 class StageTimes:
-    """Per-rank timings of one pipeline run: compute inside the stages vs the whole run."""
+    """Per-rank timings of one pipeline run: compute inside the stages vs the whole run.
+
+    Wall-clock time: a rank waiting for a CPU core inside a computation counts as busy, so
+    with more ranks than cores the bubble reads low (benchmarks/RESULTS.md, pipeline_bubble).
+    """
 
     busy_s: float = 0.0
     wall_s: float = 0.0
-    in_flight: int = 0
     peak_in_flight: dict[int, int] = field(default_factory=dict)  # stage -> most microbatches held
 
     @property
