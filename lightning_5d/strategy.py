@@ -37,7 +37,8 @@ from lightning_5d.parallel.context import ContextParallel, ContextParallelError
 from lightning_5d.parallel.data import ZeroDataParallel, broadcast_module
 from lightning_5d.parallel.fsdp import apply_fsdp, set_gradient_sync
 from lightning_5d.parallel.grad_norm import clip_grad_norm_
-from lightning_5d.parallel.pipeline import PipelineError, PipelineMode, PipelineParallel, apply_logs
+from lightning_5d.parallel.pipeline import PipelineMode, PipelineParallel
+from lightning_5d.parallel.pipeline_batch import PipelineError, apply_logs
 from lightning_5d.parallel.tensor import TensorParallel
 from lightning_5d.parallel.vocab import loss_parallel_region
 from lightning_5d.plan import describe, discover

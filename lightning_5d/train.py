@@ -118,7 +118,7 @@ def validate(cfg: DictConfig):
 
 def _check_pipeline(cfg: DictConfig, parallel: Any, pp: int) -> None:
     """Blocks per stage and microbatches per batch, here rather than after every rank started."""
-    from lightning_5d.parallel.pipeline import PipelineError
+    from lightning_5d.parallel.pipeline_batch import PipelineError
     from lightning_5d.parallel.pipeline_schedule import check_stage_count, default_microbatches
 
     v = parallel.pipeline.virtual_stages

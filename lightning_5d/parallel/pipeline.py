@@ -36,10 +36,19 @@ from torch import Tensor, nn
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch.distributed.pipelining import PipelineStage
 
-from lightning_5d.config import LayoutError, PipelineConfig, PipelineSchedule
+from lightning_5d.config import PipelineConfig, PipelineSchedule
 from lightning_5d.mesh import ParallelMesh
 from lightning_5d.plan.model_plan import ModelPlan
 
+from .pipeline_batch import (
+    PipelineError,
+    _combine_logs,
+    _loss_of,
+    _shapes,
+    _to_float,
+    merge_step_outputs,
+    split_microbatches,
+)
 from .pipeline_schedule import (
     check_schedule,
     check_stage_count,
@@ -49,10 +58,6 @@ from .pipeline_schedule import (
     stage_ranks,
 )
 from .pipeline_split import split_blocks, stage_weights
-
-
-class PipelineError(LayoutError):
-    """A model or a step the pipeline cannot honour; the message says what to change."""
 
 
 class PipelineMode(str, Enum):
@@ -534,117 +539,3 @@ def _check_cuttable(module: nn.Module, plan: ModelPlan) -> None:
             f"parameters outside the blocks, embedding, final norm and head cannot be placed on a pipeline stage: "
             f"{stray[:5]}. Move them into a block or into one of those parts, or name the parts in model_plan."
         )
-
-
-def split_microbatches(batch: Any, m: int) -> list[Any]:
-    """m microbatches of a batch (tensors cut along dim 0; other values shared)."""
-    sizes = set()
-
-    def collect(x: Any) -> None:
-        if isinstance(x, Tensor) and x.dim() > 0:
-            sizes.add(x.size(0))
-        elif isinstance(x, dict):
-            for v in x.values():
-                collect(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                collect(v)
-
-    collect(batch)
-    for b in sizes:
-        if b % m:
-            raise PipelineError(
-                f"a batch of {b} samples does not split into pipeline.microbatches={m}; make the DataLoader's "
-                f"batch size a multiple of {m} (and drop_last=True, so the epoch's last batch is full too), "
-                f"or set microbatches to a divisor of {b}."
-            )
-
-    def cut(x: Any, i: int) -> Any:
-        if isinstance(x, Tensor) and x.dim() > 0:
-            return x.chunk(m)[i]
-        if isinstance(x, dict):
-            return type(x)({k: cut(v, i) for k, v in x.items()})
-        if isinstance(x, tuple) and hasattr(x, "_fields"):
-            return type(x)(*(cut(v, i) for v in x))
-        if isinstance(x, (list, tuple)):
-            return type(x)(cut(v, i) for v in x)
-        return x
-
-    return [cut(batch, i) for i in range(m)]
-
-
-def _shapes(x: Any) -> tuple:
-    if isinstance(x, Tensor):
-        return (tuple(x.shape), x.dtype)
-    if isinstance(x, dict):
-        return tuple((k, _shapes(v)) for k, v in x.items())
-    if isinstance(x, (list, tuple)):
-        return tuple(_shapes(v) for v in x)
-    return ()
-
-
-def _loss_of(result: Any, device: torch.device) -> Tensor:
-    loss = result.get("loss") if isinstance(result, dict) else result
-    if isinstance(loss, Tensor) and loss.dim() == 0:
-        return loss
-    if loss is None:
-        # a forward-only step (validation) may return nothing; the pipeline still needs a value
-        return torch.zeros((), device=device)
-    raise PipelineError(
-        f"under pp the step must return a scalar loss tensor (or a dict with 'loss'), got {type(loss).__name__}; "
-        f"returning None to skip a batch is not possible mid-pipeline."
-    )
-
-
-def _to_float(name: str, value: Any) -> float:
-    if isinstance(value, Tensor):
-        if value.numel() != 1:
-            raise PipelineError(f"self.log({name!r}) under pp needs a scalar, got shape {tuple(value.shape)}")
-        return float(value.detach().float())
-    if isinstance(value, (int, float)):
-        return float(value)
-    raise PipelineError(
-        f"self.log({name!r}, {type(value).__name__}) inside a pipelined step: only numbers and scalar tensors can "
-        f"be sent from the last stage to the other ranks; log metric objects from a hook such as "
-        f"on_train_batch_end instead."
-    )
-
-
-_REDUCE = {"sum": sum, "max": max, "min": min}
-
-
-def _combine_logs(per_microbatch: list[list[tuple[str, float, dict]]]) -> list[tuple[str, float, dict]]:
-    """One value per name over the microbatches, by the log call's own ``reduce_fx`` (mean by default)."""
-    values: dict[str, list[float]] = {}
-    options: dict[str, dict] = {}
-    for records in per_microbatch:
-        for name, value, kwargs in records:
-            values.setdefault(name, []).append(value)
-            options[name] = kwargs
-    combined = []
-    for name, v in values.items():
-        fx = options[name].get("reduce_fx", "mean")
-        combine = _REDUCE.get(fx if isinstance(fx, str) else getattr(fx, "__name__", ""), lambda x: sum(x) / len(x))
-        combined.append((name, float(combine(v)), options[name]))
-    return combined
-
-
-def merge_step_outputs(results: list[Any]) -> Any:
-    """One output for the whole batch: scalars averaged, batched tensors concatenated, dicts per key."""
-    first = results[0]
-    if first is None:
-        return None
-    if isinstance(first, Tensor):
-        if first.dim() == 0:
-            return torch.stack([r.detach().float() for r in results]).mean().to(first.dtype)
-        return torch.cat([r.detach() for r in results])
-    if isinstance(first, dict):
-        return {k: merge_step_outputs([r[k] for r in results]) for k in first}
-    if isinstance(first, (list, tuple)):
-        return type(first)(merge_step_outputs(list(parts)) for parts in zip(*results))
-    return results
-
-
-def apply_logs(module: nn.Module, logged: list[tuple[str, float, dict]], device: torch.device) -> None:
-    for name, value, kwargs in logged:
-        module.log(name, torch.tensor(value, device=device), **kwargs)
