@@ -9,7 +9,6 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_5d.config import (
     ActivationCheckpointing,
-    DimensionNotAvailableError,
     Layout,
     LayoutError,
     ParallelConfig,
@@ -22,7 +21,6 @@ if FiveDStrategy.strategy_name not in StrategyRegistry:
 
 __all__ = [
     "ActivationCheckpointing",
-    "DimensionNotAvailableError",
     "FiveDStrategy",
     "Layout",
     "LayoutError",

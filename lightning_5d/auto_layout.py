@@ -20,9 +20,10 @@ _FP32_PRECISIONS = ("32", "32-true", "64", "64-true")
 # Not cp: at setup the planner cannot see the data's sequence length (it must divide by
 # 2*cp) nor whether batches carry aligned labels, a contract cp needs and a user who gave
 # no sizes never agreed to. Not pp either: the batch must split into the schedule's
-# microbatches and the step must run the model's blocks, neither visible at setup.
+# microbatches and the step must run the model's blocks, neither visible at setup. Not ep:
+# it only helps MoE models, and the planner's auto layout is for any model.
 # `l5d plan` ranks cp and pp layouts for a stated sequence length and batch.
-AUTO_DIMS = IMPLEMENTED_DIMS - {"cp", "pp"}
+AUTO_DIMS = IMPLEMENTED_DIMS - {"cp", "pp", "ep"}
 
 
 def device_memory_gib(device: torch.device, local_processes: int) -> float:

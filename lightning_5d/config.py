@@ -20,17 +20,12 @@ SizeSpec = Union[int, str]
 DEFAULT_RANK_ORDER: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 MESH_DIMS = frozenset(DEFAULT_RANK_ORDER)
 
-# Dimensions whose implementation has landed. A size > 1 for any other raises
-# DimensionNotAvailableError instead of silently training without it.
-IMPLEMENTED_DIMS = frozenset({"dp_replicate", "dp_shard", "tp", "cp", "pp"})
+# Every dimension the strategy implements (the planner searches a subset of them).
+IMPLEMENTED_DIMS = frozenset({"dp_replicate", "dp_shard", "tp", "cp", "pp", "ep"})
 
 
 class LayoutError(ValueError):
     """A layout that cannot be built; the message names the value and a fix."""
-
-
-class DimensionNotAvailableError(LayoutError):
-    """A parallel dimension was requested whose implementation is not available yet."""
 
 
 class ZeroStage(IntEnum):
@@ -93,10 +88,34 @@ class ContextConfig:
     sharding: SequenceSharding = SequenceSharding.ZIGZAG
 
 
+class LoadBalancing(str, Enum):
+    """How routers are pushed towards even expert load."""
+
+    NONE = "none"  # the model's own routing, untouched: numbers match one process by default
+    AUX_LOSS = "aux_loss"  # Switch/GShard auxiliary loss, weighted by aux_loss_coef
+    BIAS = "bias"  # DeepSeek-V3's aux-loss-free per-expert selection bias, moved by bias_update_rate
+
+
+class DropPolicy(str, Enum):
+    """Which assignments an over-full expert keeps when a capacity factor is set."""
+
+    PROBABILITY = "probability"  # the highest router weights (GShard, Megatron's "probs")
+    POSITION = "position"  # the earliest tokens in the batch (Switch)
+
+
 @dataclass
 class ExpertConfig:
     capacity_factor: float | None = None  # None: dropless
-    aux_loss_coef: float = 0.01
+    drop_policy: DropPolicy = DropPolicy.PROBABILITY
+    load_balancing: LoadBalancing = LoadBalancing.NONE
+    aux_loss_coef: float = 0.01  # Switch Transformer's value
+    bias_update_rate: float = 0.001  # DeepSeek-V3's gamma
+    log_load: bool = True  # log tokens per expert, load imbalance and dropped tokens (moe/...)
+
+    @property
+    def wants_dispatch(self) -> bool:
+        """Whether these settings change routing or the loss (then they apply at ep=1 too)."""
+        return self.capacity_factor is not None or self.load_balancing != LoadBalancing.NONE
 
 
 @dataclass
@@ -137,6 +156,12 @@ class ParallelConfig:
             self.pipeline.stage_blocks = [int(n) for n in self.pipeline.stage_blocks]
         self.context.mode = _coerce_enum(ContextParallelMode, self.context.mode, "context.mode")
         self.context.sharding = _coerce_enum(SequenceSharding, self.context.sharding, "context.sharding")
+        self.expert.drop_policy = _coerce_enum(DropPolicy, self.expert.drop_policy, "expert.drop_policy")
+        self.expert.load_balancing = _coerce_enum(LoadBalancing, self.expert.load_balancing, "expert.load_balancing")
+        if self.expert.capacity_factor is not None and not float(self.expert.capacity_factor) > 0:
+            raise LayoutError(
+                f"expert.capacity_factor={self.expert.capacity_factor} must be > 0 (e.g. 1.25), or null for dropless."
+            )
         self.rank_order = tuple(self.rank_order)
         if not isinstance(self.sequence_parallel, bool):
             raise LayoutError(f"sequence_parallel={self.sequence_parallel!r} must be true or false.")
@@ -278,32 +303,15 @@ def resolve_layout(config: ParallelConfig, world_size: int) -> Layout:
             f"ep={ep} must divide dp_shard*cp={borrow} (expert parallelism borrows those ranks); "
             f"valid ep values here: {_divisors(borrow)}."
         )
-    layout = Layout(**sizes, ep=ep, rank_order=config.rank_order)
-    _check_available(layout)
-    return layout
+    return Layout(**sizes, ep=ep, rank_order=config.rank_order)
 
 
 def _product_text(sizes: Mapping[str, Any]) -> str:
     return " * ".join(f"{d}={v}" for d, v in sizes.items())
 
 
-def _check_available(layout: Layout) -> None:
-    missing = [d for d in ("cp", "tp", "pp", "ep") if getattr(layout, d) > 1 and d not in IMPLEMENTED_DIMS]
-    if missing:
-        asked = ", ".join(f"{d}={getattr(layout, d)}" for d in missing)
-        raise DimensionNotAvailableError(
-            f"{asked}: this dimension is not available yet in lightning_5d {_version()}; "
-            f"set {' and '.join(f'{d}=1' for d in missing)} and use data parallelism "
-            f"(dp_shard/dp_replicate with zero=0..3) for now."
-        )
-
-
 def validate_early(config: ParallelConfig) -> None:
     """Checks that need no world size; run in the strategy's constructor."""
-    for d in ("cp", "tp", "pp", "ep"):
-        v = getattr(config, d)
-        if v != AUTO and v > 1 and d not in IMPLEMENTED_DIMS:
-            _check_available(Layout(**{d: v}))
     pipe = config.pipeline
     if pipe.virtual_stages < 1:
         raise LayoutError(f"pipeline.virtual_stages={pipe.virtual_stages} must be >= 1.")
@@ -319,9 +327,3 @@ def validate_early(config: ParallelConfig) -> None:
                 f"pipeline.stage_blocks={pipe.stage_blocks} has {len(pipe.stage_blocks)} entries; pp={config.pp} x "
                 f"virtual_stages={v} needs {config.pp * v} (blocks per stage, in stage order)."
             )
-
-
-def _version() -> str:
-    from lightning_5d import __version__
-
-    return __version__

@@ -21,6 +21,12 @@ FLATTENED = {
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),  # where gradients are averaged
 }
 
+# The expert mesh re-reads the same ranks with dp_shard x cp cut into (edp_shard, ep):
+# expert parallelism borrows ranks that already hold different tokens, as in Megatron
+# and torchtitan, so it does not grow the world.
+EXPERT_DIMS = ("pp", "dp_replicate", "edp_shard", "ep", "tp")
+_CANONICAL = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
 
 class ParallelMesh:
     """Named access to the job's DeviceMesh: ``mesh["tp"]``, ``mesh["dp_shard_cp"]``, ..."""
@@ -40,8 +46,23 @@ class ParallelMesh:
         self._flat: dict[str, DeviceMesh] = {
             name: self._submesh(dims)._flatten(name) for name, dims in FLATTENED.items()
         }
+        self.expert_root: DeviceMesh | None = self._expert_mesh() if layout.ep > 1 else None
+        if self.expert_root is not None:
+            # edp: the ranks that hold the same experts, where expert gradients are reduced.
+            self._flat["edp"] = self.expert_root[("dp_replicate", "edp_shard")]._flatten("edp")
+            self._flat["ep"] = self.expert_root["ep"]
+            self._flat["edp_shard"] = self.expert_root["edp_shard"]
+
+    def _expert_mesh(self) -> DeviceMesh:
+        lay = self.layout
+        ranks = self.root.mesh.permute([lay.rank_order.index(d) for d in _CANONICAL])
+        ranks = ranks.reshape(lay.pp, lay.dp_replicate, lay.dp_shard * lay.cp // lay.ep, lay.ep, lay.tp)
+        return DeviceMesh(self.root.device_type, ranks, mesh_dim_names=EXPERT_DIMS)
 
     def _submesh(self, dims: Sequence[str]) -> DeviceMesh:
+        unknown = [d for d in dims if d not in self.layout.rank_order]
+        if unknown:
+            raise KeyError(f"{unknown} are not dims of the root mesh {self.layout.rank_order}")
         ordered = tuple(d for d in self.layout.rank_order if d in dims)
         return self.root[ordered]
 
@@ -53,7 +74,8 @@ class ParallelMesh:
         if name in self.layout.rank_order:
             return self.root[name]
         valid = sorted(self.layout.rank_order) + sorted(self._flat)
-        raise KeyError(f"no sub-mesh named {name!r}; valid names: {valid}")
+        hint = " (ep and edp exist only when ep > 1)" if name in ("ep", "edp", "edp_shard") else ""
+        raise KeyError(f"no sub-mesh named {name!r}{hint}; valid names: {valid}")
 
     def size(self, name: str) -> int:
         return self[name].size()

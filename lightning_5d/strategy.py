@@ -30,17 +30,26 @@ from typing_extensions import override
 
 from lightning_5d import checkpoint as ckpt
 from lightning_5d.auto_layout import planned_config
-from lightning_5d.config import ActivationCheckpointing, Layout, ParallelConfig, ZeroStage, validate_early
+from lightning_5d.config import (
+    ActivationCheckpointing,
+    Layout,
+    LoadBalancing,
+    ParallelConfig,
+    ZeroStage,
+    validate_early,
+)
 from lightning_5d.mesh import ParallelMesh
 from lightning_5d.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_5d.parallel.context import ContextParallel, ContextParallelError
-from lightning_5d.parallel.data import ZeroDataParallel, broadcast_module
-from lightning_5d.parallel.fsdp import apply_fsdp, set_gradient_sync
+from lightning_5d.parallel.data import DataGroups, ZeroDataParallel, broadcast_module
+from lightning_5d.parallel.expert import ExpertParallel, ExpertParallelError
+from lightning_5d.parallel.fsdp import apply_expert_fsdp, apply_fsdp, set_gradient_sync
 from lightning_5d.parallel.grad_norm import clip_grad_norm_
 from lightning_5d.parallel.pipeline import PipelineMode, PipelineParallel
 from lightning_5d.parallel.pipeline_batch import PipelineError, apply_logs
 from lightning_5d.parallel.tensor import TensorParallel
 from lightning_5d.parallel.vocab import loss_parallel_region
+from lightning_5d.parallel.zero_set import ZeroSet
 from lightning_5d.plan import describe, discover
 from lightning_5d.plan.blocks import find_blocks, require_blocks
 
@@ -101,13 +110,15 @@ class FiveDStrategy(ParallelStrategy):
         self._timeout = timeout
         self._layout: Layout | None = None
         self._mesh: ParallelMesh | None = None
-        self._zero: ZeroDataParallel | None = None
+        self._zero: ZeroDataParallel | ZeroSet | None = None
         self._fsdp_units: list = []
         self._tp: TensorParallel | None = None
         self._tp_sharded_ids: set[int] = set()
+        self._expert_ids: set[int] = set()
         self._cp: ContextParallel | None = None
         self._pp: PipelineParallel | None = None
         self._pp_grads: dict = {}
+        self._ep: ExpertParallel | None = None
         self._in_backward_sync_block = False
         self.num_nodes = 1
 
@@ -134,6 +145,11 @@ class FiveDStrategy(ParallelStrategy):
     def pipeline(self) -> PipelineParallel | None:
         """This rank's pipeline stages and the timings of the last pipeline run (``None`` when pp=1)."""
         return self._pp
+
+    @property
+    def expert_parallel(self) -> ExpertParallel | None:
+        """The MoE dispatch under ep > 1 (its ``last_plans`` hold the all-to-all splits), else None."""
+        return self._ep
 
     @property
     def context_parallel(self) -> ContextParallel | None:
@@ -242,9 +258,10 @@ class FiveDStrategy(ParallelStrategy):
                 for optimizer in self.optimizers:
                     self._zero.shard_optimizer(optimizer)
         self.setup_precision_plugin()
-        if self._tp is not None or self._pp is not None:
+        if self._tp is not None or self._pp is not None or self._ep is not None:
             # Lightning's clipping sees only this rank's pieces; ours takes the global norm.
-            self._tp_sharded_ids = self._tp_sharded_param_ids() if self._tp is not None else set()
+            self._tp_sharded_ids = self._sharded_param_ids(self._tp.is_sharded) if self._tp is not None else set()
+            self._expert_ids = self._sharded_param_ids(self._ep.is_expert) if self._ep is not None else set()
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -264,16 +281,26 @@ class FiveDStrategy(ParallelStrategy):
         if self._fsdp_units:
             return
         broadcast_module(module, self.mesh)
-        tp, cp, pp = self.mesh.size("tp"), self.mesh.size("cp"), self.mesh.size("pp")
+        tp, cp, pp, ep = self.mesh.size("tp"), self.mesh.size("cp"), self.mesh.size("pp"), self.layout.ep
         if pp > 1:
             self._check_pipeline_supported(module)
-        plan = discover(module, self.config.model_plan) if tp > 1 or cp > 1 or pp > 1 else None
+        if ep > 1 and self.config.sequence_parallel:
+            raise ExpertParallelError(
+                "ep > 1 with sequence_parallel=true is not supported yet (each tp rank would route a different "
+                "sequence shard); use sequence_parallel=false with ep, or ep=1."
+            )
+        # Capacity and load balancing need our dispatch even when every expert is local.
+        experts_wanted = ep > 1 or self.config.expert.wants_dispatch
+        plan = discover(module, self.config.model_plan) if max(tp, cp, pp) > 1 or experts_wanted else None
         if plan is not None:
             rank_zero_info(f"[lightning_5d] model plan:\n{describe(plan)}")
         if tp > 1:
             self._tp = TensorParallel(module, plan, self.mesh["tp"], self.config.sequence_parallel)
             if self.config.sequence_parallel and self.config.zero != ZeroStage.PARAMETERS:
                 self._tp.register_sequence_parallel_grad_hooks(module)
+        if experts_wanted:
+            self._check_experts_supported()
+            self._ep = ExpertParallel(module, plan, self.mesh, self.config.expert)
         if cp > 1:
             self._cp = ContextParallel(module, plan, self.mesh["cp"], self.config.context)
             rank_zero_info(f"[lightning_5d] context parallel: {self._cp.describe()}")
@@ -282,10 +309,23 @@ class FiveDStrategy(ParallelStrategy):
             apply_activation_checkpointing(blocks, self.config.activation_checkpointing)
         if pp > 1:
             self._pp = PipelineParallel(module, plan, self.mesh, self.config.pipeline)
+            if self._ep is not None:
+                self._ep.drop_absent(module)
             rank_zero_info(f"[lightning_5d] pipeline: {self._pp.describe()}")
         if self.config.zero == ZeroStage.PARAMETERS:
             _, blocks = find_blocks(module)
-            self._fsdp_units = apply_fsdp(module, blocks, self.mesh)
+            expert_units = apply_expert_fsdp(self._ep, self.mesh) if ep > 1 else []
+            self._fsdp_units = expert_units + apply_fsdp(module, blocks, self.mesh, inner=expert_units)
+        elif ep > 1:
+            # Expert gradients reduce over the ranks holding the same experts, the rest over dp x cp.
+            is_expert, stage, mb = self._ep.is_expert, self.config.zero, self.config.bucket_size_mb
+            experts = DataGroups.experts(self.mesh)
+            self._zero = ZeroSet(
+                [
+                    ZeroDataParallel(module, self.mesh, stage, mb, owns=lambda name: not is_expert(name)),
+                    ZeroDataParallel(module, self.mesh, stage, mb, groups=experts, owns=is_expert),
+                ]
+            )
         elif self.mesh.size("dp_cp") > 1:
             self._zero = ZeroDataParallel(module, self.mesh, self.config.zero, self.config.bucket_size_mb)
         # else: no data-parallel peers, nothing to reduce or shard: plain single-rank training.
@@ -419,7 +459,7 @@ class FiveDStrategy(ParallelStrategy):
         return self.precision_plugin.post_backward(closure_loss, module)
 
     def _check_pipeline_supported(self, module: torch.nn.Module) -> None:
-        if getattr(self.precision_plugin, "scaler", None) is not None:
+        if self._grad_scaler is not None:
             raise PipelineError(
                 "precision='16-mixed' scales the loss with a GradScaler, but under pp > 1 the pipeline schedule runs "
                 "the backward, so the scale would be undone on unscaled gradients. Use precision='bf16-mixed' or "
@@ -436,8 +476,37 @@ class FiveDStrategy(ParallelStrategy):
                 "whole on each stage and shards the optimizer states over the data ranks."
             )
 
+    def _check_experts_supported(self) -> None:
+        if self.config.expert.load_balancing == LoadBalancing.AUX_LOSS and self._grad_scaler is not None:
+            raise ExpertParallelError(
+                "expert.load_balancing=aux_loss with precision='16-mixed': the GradScaler scales the user's loss but "
+                "not the aux term, which would then count 1/scale as much. Use precision='bf16-mixed' or '32-true', "
+                "or load_balancing=bias."
+            )
+
+    @property
+    def _grad_scaler(self):
+        return getattr(self.precision_plugin, "scaler", None)
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._ep is None:
+            return self._training_step(args, kwargs)
+        # The aux loss enters the gradient as the user's loss does: after Lightning's 1/accumulate.
+        self._ep.aux_scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
+        self._ep.start_step()
+        out = self._training_step(args, kwargs)
+        self._ep.after_step(self.lightning_module)
+        return out
+
+    @override
+    def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._ep is not None:
+            self._ep.after_optimizer_step()  # aux-loss-free bias moves once per optimizer step
+        return out
+
+    def _training_step(self, args: tuple, kwargs: dict) -> Any:
         if self._pp is not None:
             return self._pipeline_step(PipelineMode.TRAIN, super().training_step, args, kwargs)
         # Automatic optimization runs backward after the step returns: the shard stays current
@@ -465,28 +534,35 @@ class FiveDStrategy(ParallelStrategy):
                 f"predict under cp={self._cp.size} would return each rank's sequence shard; run predict with a "
                 f"FiveDStrategy with cp=1 (checkpoints hold full tensors and load there unchanged)."
             )
+        if self._ep is not None and self._ep.ep > 1:
+            raise ExpertParallelError(
+                f"predict under ep={self._ep.ep}: Lightning's predict sampler may give data ranks different numbers of "
+                f"batches, and a rank that runs out would leave its ep peers waiting in the all-to-all. Run predict "
+                f"with ep=1 (weights-only checkpoints hold every expert and load there unchanged)."
+            )
         if self._pp is not None:
             return self._pipeline_step(PipelineMode.EVAL, super().predict_step, args, kwargs)
         return super().predict_step(*args, **kwargs)
 
     def _clip_grad_by_norm(self, optimizer, clip_val: int | float) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        sharded = self._tp_sharded_ids
+        sharded, experts = self._tp_sharded_ids, self._expert_ids
         clip_grad_norm_(
             params,
             float(clip_val),
             lambda p: id(p) in sharded,
             self._tp.group if self._tp is not None else None,
             stage_group=self._pp.group if self._pp is not None else None,
+            is_expert=lambda p: id(p) in experts,
+            expert_group=self._ep.group if self._ep is not None else None,
         )
 
-    def _tp_sharded_param_ids(self) -> set[int]:
-        """ids of the parameters the optimizers see (ZeRO master slices included) that hold TP shards."""
-        assert self._tp is not None
+    def _sharded_param_ids(self, matches: Callable[[str], bool]) -> set[int]:
+        """ids of the parameters the optimizers see (ZeRO master slices included) whose name matches."""
         names = {id(p): n for n, p in self.lightning_module.named_parameters()}
         if self._zero is not None:
             names.update(self._zero.master_names())
-        return {i for i, name in names.items() if self._tp.is_sharded(name)}
+        return {i for i, name in names.items() if matches(name)}
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -524,20 +600,23 @@ class FiveDStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        every_rank = self._tp is not None or self._pp is not None
+        every_rank = self._tp is not None or self._pp is not None or self._ep is not None
         state = ckpt.full_model_state(self.lightning_module, sharded=bool(self._fsdp_units), every_rank=every_rank)
         if self._tp is not None:
             state = self._tp.full_state(state)
+        if self._ep is not None:
+            state = self._ep.full_state(state)
         return self._pp.full_state(state) if self._pp is not None else state
 
     @override
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         optimizer = getattr(optimizer, "_optimizer", optimizer)
-        if self._pp is not None:
-            raise ckpt.CheckpointError(
-                "saving optimizer state under pp > 1 is not supported yet (each stage holds its own); "
-                "save weights only (ModelCheckpoint(save_weights_only=True)) or train with pp=1."
-            )
+        for dim, split in (("pp", self._pp is not None), ("ep", self._ep is not None and self._ep.ep > 1)):
+            if split:
+                raise ckpt.CheckpointError(
+                    f"saving optimizer state under {dim} > 1 is not supported yet (each {dim} rank holds its own "
+                    f"part); save weights only (ModelCheckpoint(save_weights_only=True)) or train with {dim}=1."
+                )
         if self._zero is None:  # FSDP2, or no data-parallel peers: torch's own full format
             state = ckpt.dcp_optimizer_state(self.lightning_module, optimizer, every_rank=self._tp is not None)
         else:
@@ -567,6 +646,8 @@ class FiveDStrategy(ParallelStrategy):
         state = checkpoint["state_dict"]
         if self._tp is not None:
             state = self._tp.local_state(state)
+        if self._ep is not None:
+            state = self._ep.local_state(state)
         if self._pp is not None:  # a full checkpoint: this rank keeps its stages' entries
             local = set(self.lightning_module.state_dict())
             state = {k: v for k, v in state.items() if k in local}

@@ -88,7 +88,7 @@ def validate(cfg: DictConfig):
     Runs in the Hydra job before anything is launched. Returns the
     :class:`~lightning_5d.config.Layout`.
     """
-    from lightning_5d.config import ParallelConfig, validate_early
+    from lightning_5d.config import LayoutError, ParallelConfig, validate_early
 
     devices = _positive_int(cfg, "devices")
     num_nodes = _positive_int(cfg, "num_nodes")
@@ -104,6 +104,13 @@ def validate(cfg: DictConfig):
             raise ConfigError(f"model: {err}") from None
         if layout.tp > 1:
             _check_tensor_parallel(model_config, parallel, layout.tp)
+        _check_experts(model_config, layout, parallel.expert)
+    if layout.ep > 1 and parallel.sequence_parallel:
+        # The strategy refuses this at setup too; here it fails before any worker starts.
+        raise LayoutError(
+            "parallel.ep > 1 with parallel.sequence_parallel=true is not supported yet (each tp rank would route a "
+            "different sequence shard); set parallel.sequence_parallel=false with ep, or parallel.ep=1."
+        )
     if layout.pp > 1:
         _check_pipeline(cfg, parallel, layout.pp)
     if layout.cp > 1 and "data" in cfg and "seq_len" in cfg.data:
@@ -132,6 +139,37 @@ def _check_pipeline(cfg: DictConfig, parallel: Any, pp: int) -> None:
                 f"data.batch_size={batch} does not split into pipeline.microbatches={m}; set data.batch_size to a "
                 f"multiple of {m} (e.g. {m * max(1, round(batch / m))}) or microbatches to a divisor of {batch}."
             )
+
+
+def _check_experts(model_config: Any, layout: Any, expert: Any) -> None:
+    """ep > 1 needs MoE layers whose experts split evenly over the ep ranks; a capacity or load
+    balancing (which run the expert dispatch at ep=1 too) needs MoE layers as well."""
+    from lightning_5d.config import LayoutError, LoadBalancing
+
+    ep, experts = layout.ep, model_config.num_experts or 0
+    routed = expert.capacity_factor is not None or expert.load_balancing != LoadBalancing.NONE
+    if experts <= 0 and ep > 1:
+        raise LayoutError(
+            f"parallel.ep={ep} but the model has no experts (model.num_experts={experts}): expert parallelism "
+            f"splits the experts of MoE layers. Set model.num_experts to a multiple of {ep} (e.g. model=tiny_moe, "
+            f"4 experts), or set parallel.ep=1."
+        )
+    if experts <= 0 and routed:
+        asked = [f"load_balancing={expert.load_balancing.value}"] * (expert.load_balancing != LoadBalancing.NONE)
+        asked += [f"capacity_factor={expert.capacity_factor}"] * (expert.capacity_factor is not None)
+        raise LayoutError(
+            f"parallel.expert.{' and '.join(asked)}: load balancing and capacity act on MoE layers, but the model "
+            f"has no experts (model.num_experts={experts}). Set model.num_experts (e.g. model=tiny_moe), or "
+            f"parallel.expert.load_balancing=none and parallel.expert.capacity_factor=null."
+        )
+    if ep > 1 and experts % ep:
+        borrow = layout.dp_shard * layout.cp
+        fits = [d for d in range(1, experts + 1) if experts % d == 0 and borrow % d == 0]
+        raise LayoutError(
+            f"model.num_experts={experts} does not split over parallel.ep={ep} (each ep rank holds "
+            f"num_experts/ep experts); valid ep values here (divisors of {experts} that also divide "
+            f"dp_shard*cp={borrow}): {fits}."
+        )
 
 
 def _check_tensor_parallel(model_config: Any, parallel: Any, tp: int) -> None:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -86,8 +86,41 @@ class _Bucket:
     buffer: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class DataGroups:
+    """Where one set of parameters reduces and shards its gradients."""
+
+    average: dist.ProcessGroup  # every rank holding the same parameters (used-flags, stage 0)
+    average_size: int
+    shard_mesh: object  # DeviceMesh the stage 1/2 slices live on
+    replicate: dist.ProcessGroup | None  # HSDP replicas, summed after the reduce-scatter
+    divisor: int  # gradients are summed over `average` and divided by this
+
+    @classmethod
+    def dense(cls, mesh: ParallelMesh) -> "DataGroups":
+        # Averaged over every rank that saw different tokens (dp x cp), sharded over
+        # dp_shard x cp, then summed over the replicas (HSDP).
+        size = mesh.size("dp_cp")
+        return cls(mesh.group("dp_cp"), size, mesh["dp_shard_cp"], _replicas(mesh), size)
+
+    @classmethod
+    def experts(cls, mesh: ParallelMesh) -> "DataGroups":
+        # An expert's gradient already sums the tokens of its whole ep group (the all-to-all
+        # brought them), so the sum over the ranks holding that expert covers all dp x cp
+        # ranks once: divide by dp x cp, not by the edp size.
+        return cls(mesh.group("edp"), mesh.size("edp"), mesh["edp_shard"], _replicas(mesh), mesh.size("dp_cp"))
+
+
+def _replicas(mesh: ParallelMesh) -> dist.ProcessGroup | None:
+    return mesh.group("dp_replicate") if mesh.size("dp_replicate") > 1 else None
+
+
 class ZeroDataParallel:
-    """Gradient reduction (stages 0-2) and optimizer sharding (stages 1-2) for one module."""
+    """Gradient reduction (stages 0-2) and optimizer sharding (stages 1-2) for one module.
+
+    ``owns`` picks the parameters (by name) this instance reduces; with expert parallelism
+    one instance takes the dense parameters and another the experts, each on its groups.
+    """
 
     def __init__(
         self,
@@ -96,6 +129,8 @@ class ZeroDataParallel:
         stage: ZeroStage,
         bucket_size_mb: float = 25.0,
         reduce_dtype: torch.dtype | None = None,
+        groups: DataGroups | None = None,
+        owns: Callable[[str], bool] | None = None,
     ) -> None:
         if stage == ZeroStage.PARAMETERS:
             raise ValueError("stage 3 shards parameters: use apply_fsdp")
@@ -104,17 +139,22 @@ class ZeroDataParallel:
         self.require_sync = True
         self.active = True  # False between a Trainer's teardown and the next setup
         self.paused = False  # True while a pipeline schedule runs its many backwards
-        # Gradients are averaged over every rank that saw different tokens (dp x cp) ...
-        self._average_group = mesh.group("dp_cp")
-        self._average_size = mesh.size("dp_cp")
-        # ... and sharded over dp_shard x cp, then summed over the replicas (HSDP).
-        self._shard_mesh = mesh["dp_shard_cp"]
+        groups = groups or DataGroups.dense(mesh)
+        self._average_group = groups.average
+        self._average_size = groups.average_size
+        self._divisor = groups.divisor
+        self._shard_mesh = groups.shard_mesh
         self._shard_group = self._shard_mesh.get_group()
         self._shard_size = self._shard_mesh.size()
         self._shard_rank = self._shard_mesh.get_local_rank()
-        self._replicate_group = mesh.group("dp_replicate") if mesh.size("dp_replicate") > 1 else None
+        self._replicate_group = groups.replicate
 
         named = _unique_trainable(module.named_parameters())
+        # With `owns`, parameters another instance reduces pass through this one's optimizer
+        # sharding (ZeroSet checks that each belongs to one of them).
+        self._shares_optimizer = owns is not None
+        if owns is not None:
+            named = [(name, p) for name, p in named if owns(name)]
         self._names = {id(p): name for name, p in module.named_parameters()}  # frozen ones too
         self._shards = [self._make_shard(p) for _, p in named]
         self._shard_of = {id(s.param): s for s in self._shards}  # masters are added as they are made
@@ -234,6 +274,8 @@ class ZeroDataParallel:
         self._synced_id = self._backward_id
 
     def _globally_used(self) -> dict[int, bool]:
+        if not self._shards:  # e.g. the expert engine when every expert is frozen
+            return {}
         # On the parameters' device: NCCL reduces only device tensors.
         flags = torch.tensor([s.used for s in self._shards], dtype=torch.uint8, device=self._shards[0].param.device)
         if self._average_size > 1:
@@ -242,7 +284,7 @@ class ZeroDataParallel:
 
     def _launch(self, bucket: _Bucket) -> None:
         # Pre-divide so the sum over ranks is the mean over the data ranks.
-        scale = 1.0 / self._average_size
+        scale = 1.0 / self._divisor
         dtype = self._bucket_dtype(bucket)
         device = bucket.shards[0].param.device
         for s in bucket.shards:
@@ -326,7 +368,7 @@ class ZeroDataParallel:
     def _master_for(self, p: torch.Tensor) -> torch.Tensor:
         s = self._shard_of.get(id(p))
         if s is None:
-            if not p.requires_grad:
+            if not p.requires_grad or self._shares_optimizer:
                 return p  # frozen: never gets a gradient, so the optimizer never touches it
             raise ValueError(
                 f"the optimizer holds a parameter of shape {tuple(p.shape)} that is not a parameter of "
@@ -339,6 +381,10 @@ class ZeroDataParallel:
             s.master = nn.Parameter(self._as_dtensor(local, s))
             self._shard_of[id(s.master)] = s
         return s.master
+
+    def holds(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is one of this instance's parameters or master slices."""
+        return id(p) in self._shard_of
 
     def refresh_masters(self) -> None:
         """Copy parameters into separate master slices (after their values were loaded)."""

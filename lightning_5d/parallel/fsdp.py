@@ -35,12 +35,15 @@ def apply_fsdp(
     blocks: Sequence[nn.Module],
     mesh: ParallelMesh,
     mp_policy: MixedPrecisionPolicy | None = None,
+    inner: Sequence[nn.Module] = (),
 ) -> list[FSDPModule]:
-    """Shard ``module`` in place; returns the FSDP units, outermost last."""
+    """Shard ``module`` in place; returns the FSDP units, outermost last. ``inner``: units
+    already sharded on another mesh (experts), whose parameters the blocks leave to them."""
     dp_mesh = fsdp_mesh(mesh)
     policy = mp_policy or MixedPrecisionPolicy()
     units: list[FSDPModule] = []
-    if any(isinstance(m, FSDPModule) for m in module.modules()):
+    done = {id(m) for m in inner}
+    if any(isinstance(m, FSDPModule) and id(m) not in done for m in module.modules()):
         raise RuntimeError(
             "this module is already sharded by FSDP (a previous Trainer?); build a fresh module for a new "
             "FiveDStrategy, or reuse the same Trainer."
@@ -54,6 +57,22 @@ def apply_fsdp(
         fully_shard(root, mesh=dp_mesh, mp_policy=policy)
         units.append(root)  # type: ignore[arg-type]
     _set_prefetch(units[: len(blocks)])
+    return units
+
+
+def apply_expert_fsdp(experts, mesh: ParallelMesh, mp_policy: MixedPrecisionPolicy | None = None) -> list[FSDPModule]:
+    """Shard each rank's experts over the ranks that hold the same experts (edp), before the
+    blocks are sharded over dp x cp (FSDP2 then leaves the experts' parameters to these units)."""
+    edp = mesh.expert_root[("dp_replicate", "edp_shard")] if mesh.size("dp_replicate") > 1 else mesh["edp_shard"]
+    policy = mp_policy or MixedPrecisionPolicy()
+    units: list[FSDPModule] = []
+    for module in experts.local_expert_modules():
+        fully_shard(module, mesh=edp, mp_policy=policy)
+        # Each expert's gradient already sums its whole ep group's tokens: the sum over edp
+        # covers every dp x cp rank once, so divide by dp x cp rather than by the edp size.
+        module.set_gradient_divide_factor(float(mesh.size("dp_cp")))
+        module.set_force_sum_reduction_for_comms(True)  # a sum plus a scale: gloo has no PREMUL_SUM
+        units.append(module)  # type: ignore[arg-type]
     return units
 
 

@@ -14,7 +14,7 @@ from typing import NoReturn
 
 from torch import nn
 
-from lightning_5d.plan import heads, kernel, kinds, paths
+from lightning_5d.plan import heads, kernel, kinds, moe_parts, paths
 from lightning_5d.plan.blocks import ModelMappingError
 from lightning_5d.plan.hints import BlockHints, TopHints
 from lightning_5d.plan.model_plan import (
@@ -114,10 +114,10 @@ def _children(module: nn.Module) -> str:
 def _block_plan(root: nn.Module, top: TopHints, index: int, hints: BlockHints, notes: list[str]) -> BlockPlan:
     where = paths.join(top.blocks, str(index))
     block = root.get_submodule(where)
-    moe = _moe_plan(block, where, hints, notes)
+    moe = _moe_plan(root, block, where, hints, notes)
     return BlockPlan(
         attention=_attention_plan(block, where, hints, notes),
-        mlp=_mlp_plan(block, where, hints),
+        mlp=_outside_moe(_mlp_plan(block, where, hints), moe, notes),
         moe=moe,
         norms=hints.norms,
     )
@@ -269,7 +269,7 @@ def _mlp_plan(block: nn.Module, where: str, hints: BlockHints) -> MLPPlan | None
     )
 
 
-def _moe_plan(block: nn.Module, where: str, hints: BlockHints, notes: list[str]) -> MoEPlan | None:
+def _moe_plan(root: nn.Module, block: nn.Module, where: str, hints: BlockHints, notes: list[str]) -> MoEPlan | None:
     if not (hints.router or hints.experts):
         return None
     if not (hints.router and hints.experts):
@@ -278,16 +278,55 @@ def _moe_plan(block: nn.Module, where: str, hints: BlockHints, notes: list[str])
         return None
     experts = block.get_submodule(hints.experts)
     router = block.get_submodule(hints.router)
-    count = len(experts) if isinstance(experts, nn.ModuleList) else kinds.out_features(router)
-    if kinds.out_features(router) != count:
+    kind = moe_parts.experts_kind(experts)
+    if kind is None:
         raise _Unmappable(
-            f"in block {where}, router {hints.router} scores {kinds.out_features(router)} "
-            f"experts but {hints.experts} holds {count}"
+            f"in block {where}, experts {hints.experts} ({kinds.describe_kind(experts)}) is neither an "
+            f"nn.ModuleList of experts nor a module holding [num_experts, ...] weights"
         )
+    scored = moe_parts.router_rows(router)
+    if scored is None:
+        raise _Unmappable(
+            f"in block {where}, router {hints.router} ({kinds.describe_kind(router)}) is neither a linear "
+            f"layer nor a module with a 2-D weight [num_experts, hidden]"
+        )
+    count = moe_parts.expert_count(experts)
+    if scored != count:
+        raise _Unmappable(
+            f"in block {where}, router {hints.router} scores {scored} experts but {hints.experts} holds {count}"
+        )
+    path = hints.moe if hints.moe is not None else paths.common_parent([hints.router, hints.experts])
     return MoEPlan(
-        path=hints.moe if hints.moe is not None else paths.common_parent([hints.router, hints.experts]),
+        path=path,
         router=hints.router,
         experts=hints.experts,
         num_experts=count,
         shared_experts=hints.shared_experts,
+        experts_kind=kind,
+        top_k=moe_parts.top_k(block.get_submodule(path), router, _config_near(root, where)),
+        shared_expert_gate=hints.shared_expert_gate,
     )
+
+
+def _config_near(root: nn.Module, where: str) -> object | None:
+    """The ``config`` of the nearest module on the path from ``where`` up to the root."""
+    chain = [where]
+    while chain[-1]:
+        chain.append(paths.parent(chain[-1]))
+    for ancestor in chain:
+        config = heads.config_of(root.get_submodule(ancestor))
+        if config is not None:
+            return config
+    return None
+
+
+def _outside_moe(mlp: MLPPlan | None, moe: MoEPlan | None, notes: list[str]) -> MLPPlan | None:
+    """A dense MLP found inside the block's MoE is the MoE's (its shared expert), not the block's."""
+    if mlp is None or moe is None:
+        return mlp
+    layers = [p.path for p in mlp.column + mlp.row]
+    containers = [c for c in (moe.shared_experts, moe.path) if c]
+    if not any(all(paths.is_within(p, c) for p in layers) for c in containers):
+        return mlp
+    notes.append(f"MLP {mlp.path} is inside MoE {moe.path or '(the block)'}; left to the MoE")
+    return None

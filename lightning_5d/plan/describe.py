@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from torch import nn
 
 from lightning_5d.plan.discover import discover
-from lightning_5d.plan.model_plan import AttentionPlan, BlockPlan, ModelPlan, Projection
+from lightning_5d.plan.model_plan import AttentionPlan, BlockPlan, ModelPlan, MoEPlan, Projection
 
 _WIDTH = 20  # label column
 
@@ -92,13 +92,20 @@ def _block_rows(block: BlockPlan) -> list[str]:
         rows += [
             _row("moe", m.path or "(the block)"),
             _row("router", m.router, 2),
-            _row("experts", f"{m.experts} ({m.num_experts} experts)", 2),
-            _row("shared experts", m.shared_experts or "-", 2),
+            _row("experts", f"{m.experts} ({m.num_experts} experts, {m.experts_kind.value})", 2),
+            _row("top_k", str(m.top_k) if m.top_k else "unknown", 2),
+            _row("shared experts", _shared(m), 2),
         ]
     else:
         rows.append(_row("moe", "-"))
     rows.append(_row("norms", ", ".join(block.norms) or "-"))
     return rows
+
+
+def _shared(m: MoEPlan) -> str:
+    if m.shared_experts is None:
+        return "-"
+    return f"{m.shared_experts} (gate {m.shared_expert_gate})" if m.shared_expert_gate else m.shared_experts
 
 
 def _later_blocks(plan: ModelPlan) -> str:

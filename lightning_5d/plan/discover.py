@@ -52,6 +52,7 @@ _PART_LABELS = {
     "router": "MoE",
     "experts": "MoE",
     "shared_experts": "MoE",
+    "shared_expert_gate": "MoE",
     "norms": "norms",
     "num_heads": "head counts",
     "num_kv_heads": "head counts",

@@ -17,7 +17,7 @@ from lightning_5d.plan.model_plan import PlanSource
 _TOP_PATH_FIELDS = ("embedding", "position_embedding", "blocks", "final_norm", "head")
 _BLOCK_PATH_FIELDS = (
     "attention", "q", "k", "v", "qkv", "o", "mlp", "mlp_column", "mlp_row",
-    "moe", "router", "experts", "shared_experts", "norms",
+    "moe", "router", "experts", "shared_experts", "shared_expert_gate", "norms",
 )  # fmt: skip
 _SEPARATE_QKV = ("q", "k", "v")
 
@@ -50,6 +50,7 @@ class BlockHints:
     router: str | None = None
     experts: str | None = None
     shared_experts: str | None = None
+    shared_expert_gate: str | None = None
     norms: tuple[str, ...] = ()
     num_heads: int | None = None
     num_kv_heads: int | None = None

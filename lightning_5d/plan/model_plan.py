@@ -87,13 +87,25 @@ class MLPPlan:
     row: tuple[Projection, ...]  # down, fc2, c_proj
 
 
+class ExpertsKind(str, Enum):
+    """How a MoE holds its experts (what expert parallelism must split and how it calls them)."""
+
+    MODULE_LIST = "module_list"  # nn.ModuleList of expert MLPs; each called on its own tokens
+    GROUPED = (
+        "grouped"  # one module holding [num_experts, ...] weights, called as experts(x, top_k_index, top_k_weights)
+    )
+
+
 @dataclass(frozen=True)
 class MoEPlan:
     path: str  # the MoE feed-forward module, relative to the block
-    router: str  # relative to the block
-    experts: str  # the nn.ModuleList of experts, relative to the block
+    router: str  # relative to the block: a linear layer, or a module whose weight is [num_experts, hidden]
+    experts: str  # the experts (see experts_kind), relative to the block
     num_experts: int
-    shared_experts: str | None = None
+    shared_experts: str | None = None  # always-on expert MLP(s), relative to the block
+    experts_kind: ExpertsKind = ExpertsKind.MODULE_LIST
+    top_k: int = 0  # experts per token, 0 when discovery could not tell
+    shared_expert_gate: str | None = None  # Qwen2-MoE's sigmoid gate on the shared expert, relative to the block
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from enum import Enum
 
 from torch import nn
 
-from lightning_5d.plan import kinds, paths
+from lightning_5d.plan import kinds, moe_parts, paths
 from lightning_5d.plan.heads import HeadCounts
 from lightning_5d.plan.hints import BlockHints, TopHints
 from lightning_5d.plan.roles import (
@@ -66,6 +66,7 @@ BLOCK_FIELD = {
     Role.ROUTER: "router",
     Role.EXPERTS: "experts",
     Role.SHARED_EXPERTS: "shared_experts",
+    Role.SHARED_EXPERT_GATE: "shared_expert_gate",
 }
 
 
@@ -78,6 +79,10 @@ def fits(module: nn.Module, role: Role) -> bool:
         return kinds.is_embedding(module)
     if need is Expects.BLOCK_LIST:
         return kinds.is_block_list(module) and len(module) > 0
+    if need is Expects.ROUTER:
+        return moe_parts.is_router(module)
+    if need is Expects.EXPERTS:
+        return moe_parts.experts_kind(module) is not None
     return True
 
 

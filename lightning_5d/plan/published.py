@@ -2,9 +2,14 @@
 
 ``config.base_model_tp_plan`` (and the model's ``_tp_plan``) say which layers are
 column- and row-parallel; ``base_model_pp_plan`` names the embedding, the block list
-and the final norm; ``base_model_ep_plan`` the routers and experts. Their styles are
-translated into roles here; the layer's name decides whether a column-parallel layer
-belongs to the attention or to the MLP.
+and the final norm; ``base_model_ep_plan`` the experts (and, in older versions, the
+routers). Their styles are translated into roles here; the layer's name decides whether
+a column-parallel layer belongs to the attention or to the MLP.
+
+transformers 5.x names only the experts (``"layers.*.mlp.experts": "ep_dispatch_experts"``
+and their stacked weights, ``"layers.*.mlp.experts.gate_up_proj": "grouped_gemm"``); the
+MoE module is their parent, and its router, shared expert and shared expert gate are
+found beside them by name (:mod:`lightning_5d.plan.moe_parts`).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_5d.plan import kinds, paths
+from lightning_5d.plan import kinds, moe_parts, paths
 from lightning_5d.plan.heads import from_object
 from lightning_5d.plan.patterns import RoleMap
 from lightning_5d.plan.roles import Role, RoleSpec
@@ -47,7 +52,7 @@ def _role_map(root: nn.Module, prefix: str, model: nn.Module, config: Any) -> Ro
     ep |= _prefixed(vars(model).get("_ep_plan"), prefix)
     if not (tp or pp or ep):
         return RoleMap({})
-    roles = _tp_roles(tp) | _ep_roles(ep) | _pp_roles(root, pp) | _embedding_roles(model, prefix)
+    roles = _tp_roles(tp) | _ep_roles(root, ep) | _pp_roles(root, pp) | _embedding_roles(model, prefix)
     counts = from_object(config, paths.join(prefix, "config"))
     return RoleMap(roles, counts)
 
@@ -100,13 +105,45 @@ def _looks_like_attention(path: str) -> bool:
     return "attn" in name or "attention" in name
 
 
-def _ep_roles(plan: Mapping[str, str]) -> dict[str, RoleSpec]:
+def _ep_roles(root: nn.Module, plan: Mapping[str, str]) -> dict[str, RoleSpec]:
     roles: dict[str, RoleSpec] = {}
+    experts: dict[str, None] = {}  # patterns of the experts modules, in plan order
     for key, style in plan.items():
-        if "router" in str(style):
+        style = str(style)
+        if "router" in style:
             roles[key] = RoleSpec(Role.ROUTER)
-        elif paths.leaf(key) == "experts":
-            roles[key] = RoleSpec(Role.EXPERTS)
+        elif paths.leaf(key) == "experts" or "experts" in style:
+            experts[key] = None
+        elif "grouped_gemm" in style:
+            experts[paths.parent(key)] = None  # a stacked weight of the experts module
+    has_routers = any(spec.role is Role.ROUTER for spec in roles.values())
+    modules = dict(root.named_modules())
+    for pattern in experts:
+        regex = paths.compile_pattern(pattern)
+        for path, module in modules.items():
+            if path and regex.fullmatch(path) and moe_parts.experts_kind(module) is not None:
+                roles |= _moe_roles(modules, path, has_routers)
+    return roles
+
+
+def _moe_roles(modules: Mapping[str, nn.Module], experts: str, has_routers: bool) -> dict[str, RoleSpec]:
+    """Roles of one MoE module, from the path of its experts (all paths from the root)."""
+    moe = paths.parent(experts)
+    container = modules[moe]
+    roles = {experts: RoleSpec(Role.EXPERTS)}
+    if moe:
+        roles[moe] = RoleSpec(Role.MOE)
+    router = None
+    if not has_routers:
+        count = moe_parts.expert_count(modules[experts])
+        router = moe_parts.router_beside(container, moe, experts, count, trust_names=True)
+        if router is not None:
+            roles[router] = RoleSpec(Role.ROUTER)
+    shared, gate = moe_parts.shared_beside(container, moe, {experts} | ({router} if router else set()))
+    if shared is not None:
+        roles[shared] = RoleSpec(Role.SHARED_EXPERTS)
+    if gate is not None:
+        roles[gate] = RoleSpec(Role.SHARED_EXPERT_GATE)
     return roles
 
 

@@ -40,6 +40,7 @@ class Role(str, Enum):
     ROUTER = "moe.router"
     EXPERTS = "moe.experts"
     SHARED_EXPERTS = "moe.shared_experts"
+    SHARED_EXPERT_GATE = "moe.shared_expert_gate"
 
 
 class Scope(str, Enum):
@@ -55,6 +56,8 @@ class Expects(str, Enum):
     PROJECTION = "a linear layer (nn.Linear or Conv1D)"
     EMBEDDING = "an nn.Embedding"
     BLOCK_LIST = "an nn.ModuleList of blocks"
+    ROUTER = "a linear layer or a module with a 2-D weight ([num_experts, hidden])"
+    EXPERTS = "an nn.ModuleList of experts or a module holding [num_experts, ...] weights"
     ANY = "any module"
 
 
@@ -77,7 +80,9 @@ EXPECTS = {
     Role.O: Expects.PROJECTION,
     Role.MLP_COLUMN: Expects.PROJECTION,
     Role.MLP_ROW: Expects.PROJECTION,
-    Role.ROUTER: Expects.PROJECTION,
+    Role.ROUTER: Expects.ROUTER,
+    Role.EXPERTS: Expects.EXPERTS,
+    Role.SHARED_EXPERT_GATE: Expects.PROJECTION,
 }
 
 # Argument name in the role string -> field of the block hints it sets.

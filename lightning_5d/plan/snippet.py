@@ -63,6 +63,8 @@ def _feed_forward_lines(top: TopHints, block: BlockHints) -> list[Line]:
         ]
         if block.shared_experts:
             lines.append((_in_block(top, block.shared_experts), "moe.shared_experts", False))
+        if block.shared_expert_gate:
+            lines.append((_in_block(top, block.shared_expert_gate), "moe.shared_expert_gate", False))
         return lines
     mlp = block.mlp or "<mlp>"
     column = block.mlp_column or (f"{mlp}.<up_proj>",)

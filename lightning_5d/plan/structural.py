@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from lightning_5d.plan import kinds, paths
+from lightning_5d.plan import kinds, moe_parts, paths
 from lightning_5d.plan.blocks import find_blocks
 from lightning_5d.plan.heads import declared
 from lightning_5d.plan.hints import BlockHints, TopHints
@@ -157,32 +157,32 @@ def _inside(path: str, container: str | None) -> bool:
 
 
 def _find_moe(module: nn.Module, given: BlockHints, found: BlockHints) -> None:
-    """A router whose outputs are one score per expert, beside the list of experts."""
+    """A router that scores the experts, beside the experts: a list of expert MLPs, or
+    one module holding their stacked weights (see :mod:`lightning_5d.plan.moe_parts`)."""
     named = dict(module.named_modules())
     for path, experts in named.items():
-        if not path or not isinstance(experts, nn.ModuleList) or len(experts) < 2:
+        if not path or (given.experts is not None and path != given.experts):
             continue
-        if given.experts is not None and path != given.experts:
+        count = moe_parts.expert_count(experts)
+        if given.experts is None and not _unnamed_experts(path, experts, count):
             continue
         moe = paths.parent(path)
-        router = given.router or _router_beside(named, moe, path, len(experts))
+        container = named[moe]
+        router = given.router or moe_parts.router_beside(
+            container, moe, path, count, trust_names=given.experts is not None
+        )
         if router is None:
             continue
         found.moe, found.router, found.experts = moe, router, path
-        shared = [
-            p for p, m in named.items() if paths.parent(p) == moe and "shared" in paths.leaf(p).lower() and p != path
-        ]
-        found.shared_experts = shared[0] if shared else None
+        found.shared_experts, found.shared_expert_gate = moe_parts.shared_beside(container, moe, {path, router})
         return
 
 
-def _router_beside(named: dict[str, nn.Module], moe: str, experts: str, count: int) -> str | None:
-    for path, m in named.items():
-        if paths.parent(path) != moe or path == experts or not kinds.is_projection(m):
-            continue
-        if kinds.out_features(m) == count:
-            return path
-    return None
+def _unnamed_experts(path: str, experts: nn.Module, count: int | None) -> bool:
+    """Experts the plan did not name: a list of two or more, or a grouped module that says so."""
+    if count is None or count < 2:
+        return False
+    return isinstance(experts, nn.ModuleList) or moe_parts.looks_grouped(path, experts)
 
 
 def _find_attention(layers: dict[str, nn.Module], given: BlockHints, found: BlockHints) -> None:

@@ -2,7 +2,6 @@ import pytest
 
 from lightning_5d.config import (
     ActivationCheckpointing,
-    DimensionNotAvailableError,
     LayoutError,
     ParallelConfig,
     PipelineSchedule,
@@ -32,12 +31,6 @@ def test_layout_that_does_not_divide_names_the_numbers(kwargs, world, needle):
     with pytest.raises(LayoutError, match=needle) as err:
         ParallelConfig(**kwargs).resolve(world)
     assert str(world) in str(err.value)
-
-
-@pytest.mark.parametrize("dim", ["ep"])
-def test_dimension_not_available_yet_is_an_error_not_a_fallback(dim):
-    with pytest.raises(DimensionNotAvailableError, match=f"{dim}=2: this dimension is not available yet"):
-        ParallelConfig(**{dim: 2}).resolve(4)
 
 
 def test_ep_must_divide_the_ranks_it_borrows():
@@ -84,3 +77,35 @@ def test_context_sharding_is_an_enum_with_a_named_error():
     assert ParallelConfig(cp=2, context={"sharding": "contiguous"}).context.sharding is SequenceSharding.CONTIGUOUS
     with pytest.raises(LayoutError, match="context.sharding"):
         ParallelConfig(context={"sharding": "spiral"})
+
+
+# --------------------------------------------------------------------------- expert section
+
+
+def test_expert_section_coerces_strings_to_enums():
+    from lightning_5d.config import DropPolicy, ExpertConfig, LoadBalancing
+
+    cfg = ParallelConfig(expert={"load_balancing": "aux_loss", "drop_policy": "position", "capacity_factor": 1.25})
+    assert isinstance(cfg.expert, ExpertConfig)
+    assert cfg.expert.load_balancing is LoadBalancing.AUX_LOSS
+    assert cfg.expert.drop_policy is DropPolicy.POSITION
+    assert cfg.expert.capacity_factor == 1.25
+    default = ParallelConfig().expert
+    assert default.capacity_factor is None
+    assert default.load_balancing is LoadBalancing.NONE
+    assert default.drop_policy is DropPolicy.PROBABILITY
+    assert ParallelConfig(expert={"load_balancing": "bias"}).expert.load_balancing is LoadBalancing.BIAS
+
+
+def test_expert_section_bad_values_are_rejected():
+    with pytest.raises(LayoutError, match="expert.load_balancing='switch' is not valid") as err:
+        ParallelConfig(expert={"load_balancing": "switch"})
+    for choice in ("'none'", "'aux_loss'", "'bias'"):
+        assert choice in str(err.value)
+    with pytest.raises(LayoutError, match="expert.drop_policy='random'"):
+        ParallelConfig(expert={"drop_policy": "random"})
+    for bad in (0, -1.0):
+        with pytest.raises(LayoutError, match="capacity_factor"):
+            ParallelConfig(expert={"capacity_factor": bad})
+    with pytest.raises(LayoutError, match=r"Unknown key\(s\) \['capacity'\] in `expert`"):
+        ParallelConfig(expert={"capacity": 1.0})

@@ -4,7 +4,7 @@ import lightning as L
 import pytest
 
 import lightning_5d
-from lightning_5d import DimensionNotAvailableError, FiveDStrategy, LayoutError, ZeroStage
+from lightning_5d import FiveDStrategy, LayoutError, ZeroStage
 
 
 def trainer(strategy, devices):
@@ -31,9 +31,9 @@ def test_bad_layout_fails_when_the_trainer_is_built():
         trainer(FiveDStrategy(dp_shard=3), 4)
 
 
-def test_unavailable_dimension_fails_in_the_constructor():
-    with pytest.raises(DimensionNotAvailableError, match="ep=2"):
-        FiveDStrategy(ep=2)
+def test_expert_layout_that_does_not_divide_fails_when_the_trainer_is_built():
+    with pytest.raises(LayoutError, match=r"ep=3 must divide dp_shard\*cp=4"):
+        trainer(FiveDStrategy(ep=3), 4)
 
 
 def test_from_config_mapping():

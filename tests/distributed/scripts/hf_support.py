@@ -28,6 +28,17 @@ def build_hf_model(name: str, layers: int = 2):
         config = tf.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64,
                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
         return tf.GPT2LMHeadModel(config)
+    if name == "mixtral":  # grouped experts: [E, ...] weights called as experts(x, top_k_index, top_k_weights)
+        config = tf.MixtralConfig(**common, hidden_size=64, intermediate_size=64, num_hidden_layers=layers,
+                                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
+                                  num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
+        return tf.MixtralForCausalLM(config)
+    if name == "qwen2_moe":  # grouped experts plus a sigmoid-gated shared expert
+        config = tf.Qwen2MoeConfig(**common, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                   shared_expert_intermediate_size=64, num_hidden_layers=layers,
+                                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
+                                   num_experts=4, num_experts_per_tok=2, norm_topk_prob=False)  # fmt: skip
+        return tf.Qwen2MoeForCausalLM(config)
     raise ValueError(name)
 
 

@@ -14,9 +14,13 @@ from tests_support import BATCH_SIZE, MODELS, RecordingLM, make_datamodule
 
 def reference_run(steps: int, data_ranks: int, accumulate: int = 1, clip: float | None = None,
                   dtype: torch.dtype = torch.float32, num_samples: int | None = None, model: str = "tiny",
-                  batch_size: int = BATCH_SIZE):  # fmt: skip
+                  batch_size: int = BATCH_SIZE, aux_loss_coef: float = 0.0):  # fmt: skip
     L.seed_everything(0, verbose=False)
     model = RecordingLM(config=MODELS[model]).to(dtype)
+    router_probs = []
+    if aux_loss_coef:  # the Switch loss on the whole batch, written out independently of lightning_5d
+        for block in model.model.layers:
+            block.moe.router.register_forward_hook(lambda m, a, out: router_probs.append(out.float().softmax(-1)))
     dm = make_datamodule(num_samples)
     dm.setup("fit")
     dataset = dm.train_dataset
@@ -33,7 +37,13 @@ def reference_run(steps: int, data_ranks: int, accumulate: int = 1, clip: float 
             batch = default_collate([dataset[i] for i in perm[k * global_batch : (k + 1) * global_batch]])
             logits = model(batch["input_ids"])
             loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
-            (loss / accumulate).backward()
+            total = loss
+            for probs in router_probs:
+                E, k = probs.shape[-1], model.model.config.experts_top_k
+                f = torch.bincount(probs.topk(k, dim=-1).indices.flatten(), minlength=E).float() / (len(probs) * k)
+                total = total + aux_loss_coef * E * (f * probs.mean(0)).sum()
+            router_probs.clear()
+            (total / accumulate).backward()
             losses.append(loss.item())
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)

@@ -17,7 +17,7 @@ from hf_support import CausalLM
 from tests_support import make_datamodule
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--model", required=True, choices=["llama", "qwen2", "gpt2"])
+parser.add_argument("--model", required=True, choices=["llama", "qwen2", "gpt2", "mixtral", "qwen2_moe"])
 parser.add_argument("--tp", type=int, default=1)
 parser.add_argument("--sp", action="store_true")
 parser.add_argument("--cp", type=int, default=1)
@@ -25,6 +25,8 @@ parser.add_argument("--cp-mode", default="ring", choices=["ring", "allgather"])
 parser.add_argument("--zero", type=int, default=1)
 parser.add_argument("--steps", type=int, default=5)
 parser.add_argument("--pp", type=int, default=1)
+parser.add_argument("--ep", type=int, default=1)
+parser.add_argument("--capacity-factor", type=float, default=None)
 parser.add_argument("--schedule", default="1f1b")
 parser.add_argument("--virtual-stages", type=int, default=1)
 parser.add_argument("--microbatches", type=int, default=None)
@@ -38,7 +40,7 @@ L.seed_everything(0)
 module = CausalLM(args.model, args.layers)
 strategy = lightning_5d.FiveDStrategy(
     tp=args.tp, cp=args.cp, context={"mode": args.cp_mode}, sequence_parallel=args.sp, zero=args.zero,
-    bucket_size_mb=0.05, pp=args.pp,
+    bucket_size_mb=0.05, pp=args.pp, ep=args.ep, expert={"capacity_factor": args.capacity_factor},
     pipeline={"schedule": args.schedule, "virtual_stages": args.virtual_stages, "microbatches": args.microbatches},
 )
 

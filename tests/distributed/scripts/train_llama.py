@@ -27,6 +27,9 @@ parser.add_argument("--cp", type=int, default=1)
 parser.add_argument("--cp-mode", default="ring", choices=["ring", "allgather"])
 parser.add_argument("--cp-sharding", default="zigzag", choices=["zigzag", "contiguous"])
 parser.add_argument("--pp", type=int, default=1)
+parser.add_argument("--ep", type=int, default=1)
+parser.add_argument("--capacity-factor", type=float, default=None)
+parser.add_argument("--balancing", default="none", choices=["none", "aux_loss", "bias"])
 parser.add_argument("--batch-size", type=int, default=None)
 parser.add_argument("--val-batches", type=int, default=0, help="validation batches per epoch (and sanity check)")
 parser.add_argument("--schedule", default="1f1b")
@@ -78,6 +81,8 @@ else:
         tp=args.tp,
         cp=args.cp,
         pp=args.pp,
+        ep=args.ep,
+        expert={"capacity_factor": args.capacity_factor, "load_balancing": args.balancing},
         pipeline={
             "schedule": args.schedule,
             "microbatches": args.microbatches,
