@@ -4,7 +4,6 @@ layout validation to ``config``, ranks and groups to ``mesh``, sharding to ``par
 
 from __future__ import annotations
 
-import atexit
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Generator, Mapping
@@ -46,11 +45,13 @@ from lightning_5d.parallel.expert import ExpertParallel, ExpertParallelError
 from lightning_5d.parallel.fsdp import apply_expert_fsdp, apply_fsdp, set_gradient_sync
 from lightning_5d.parallel.grad_norm import clip_grad_norm_
 from lightning_5d.parallel.pipeline import PipelineMode, PipelineParallel
-from lightning_5d.parallel.pipeline_batch import PipelineError, apply_logs
+from lightning_5d.parallel.pipeline_batch import PipelineError
+from lightning_5d.parallel.pipeline_loop import PipelineLoop, check_pipeline_supported
 from lightning_5d.parallel.tensor import TensorParallel
 from lightning_5d.parallel.vocab import loss_parallel_region
 from lightning_5d.parallel.zero_set import ZeroSet
 from lightning_5d.plan import describe, discover
+from lightning_5d.process_exit import leave_together_at_exit, mark_failed
 from lightning_5d.plan.blocks import find_blocks, require_blocks
 
 
@@ -117,7 +118,7 @@ class FiveDStrategy(ParallelStrategy):
         self._expert_ids: set[int] = set()
         self._cp: ContextParallel | None = None
         self._pp: PipelineParallel | None = None
-        self._pp_grads: dict = {}
+        self._pp_loop: PipelineLoop | None = None
         self._ep: ExpertParallel | None = None
         self._in_backward_sync_block = False
         self.num_nodes = 1
@@ -231,11 +232,7 @@ class FiveDStrategy(ParallelStrategy):
             self._layout = self.config.resolve(world_size)
         if self._mesh is None or self._mesh.layout != self._layout:
             self._mesh = ParallelMesh(self._layout, self.root_device.type)
-        # Gloo aborts the process if its groups are still alive during interpreter shutdown,
-        # which would turn every finished run into a crash; a later Trainer may still reuse it.
-        if not _EXIT.registered:
-            atexit.register(_destroy_process_group)
-            _EXIT.registered = True
+        leave_together_at_exit()
         rank_zero_info(f"[lightning_5d] layout: {self._layout.describe()}, zero={int(self.config.zero)}")
 
     def set_world_ranks(self) -> None:
@@ -283,7 +280,7 @@ class FiveDStrategy(ParallelStrategy):
         broadcast_module(module, self.mesh)
         tp, cp, pp, ep = self.mesh.size("tp"), self.mesh.size("cp"), self.mesh.size("pp"), self.layout.ep
         if pp > 1:
-            self._check_pipeline_supported(module)
+            check_pipeline_supported(module, self.config.zero, self._grad_scaler)
         if ep > 1 and self.config.sequence_parallel:
             raise ExpertParallelError(
                 "ep > 1 with sequence_parallel=true is not supported yet (each tp rank would route a different "
@@ -309,6 +306,7 @@ class FiveDStrategy(ParallelStrategy):
             apply_activation_checkpointing(blocks, self.config.activation_checkpointing)
         if pp > 1:
             self._pp = PipelineParallel(module, plan, self.mesh, self.config.pipeline)
+            self._pp_loop = PipelineLoop(self._pp, self.config.pipeline.log_bubble)
             if self._ep is not None:
                 self._ep.drop_absent(module)
             rank_zero_info(f"[lightning_5d] pipeline: {self._pp.describe()}")
@@ -405,76 +403,29 @@ class FiveDStrategy(ParallelStrategy):
 
     def _pipeline_step(self, mode: PipelineMode, step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """One Lightning batch as one pipeline run; the user's step runs per microbatch on each stage."""
-        assert self._pp is not None
-        module = self.lightning_module
+        assert self._pp_loop is not None
         batch, rest = args[0], args[1:]
-        earlier: dict = {}
-        if mode == PipelineMode.TRAIN:
-            trainer = module.trainer
-            self._pp.loss_scale = 1.0 / trainer.accumulate_grad_batches
-            # The schedule divides every gradient it finds by m, so gradients of earlier runs in
-            # this accumulation window wait outside; the window's first run starts from zero
-            # (Lightning zeroes after the step, before backward: too late for the schedule's backward).
-            # the epoch loop's index, as Lightning's own zero_grad uses: the step may not take batch_idx
-            if trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches != 0:
-                earlier = {p: p.grad for p in module.parameters() if p.grad is not None}
-            for p in module.parameters():
-                p.grad = None
-        if self._zero is not None:
-            self._zero.paused = True  # the schedule's many backwards: reduce once, afterwards
-        if self._cp is not None:
-            batch = self._cp.begin(batch)  # the sequence shard first, then its microbatches
-        try:
-            with self._step_region():
-                out, logged = self._pp.run(mode, lambda mb: step(mb, *rest, **kwargs), batch)
-                if mode == PipelineMode.TRAIN and self.config.pipeline.log_bubble:
-                    logged = [*logged, ("pp_bubble", self._pp.mean_bubble(), {"prog_bar": False})]
-                apply_logs(module, logged, self.root_device)  # inside: cp's token weighting applies too
-        finally:
-            if self._zero is not None:
-                self._zero.paused = False
-            if self._cp is not None:
-                self._cp.end()
-        if mode == PipelineMode.TRAIN:
-            # Out of reach of Lightning's zero_grad until our backward hook puts them back.
-            grads = {p: p.grad for p in module.parameters() if p.grad is not None}
-            for p in grads:
-                p.grad = None
-            for p, g in earlier.items():
-                grads[p] = g if p not in grads else grads[p] + g
-            self._pp_grads = grads
-        return out
+        return self._pp_loop.run(
+            mode,
+            lambda mb: step(mb, *rest, **kwargs),
+            batch,
+            zero=self._zero,
+            cp=self._cp,
+            step_region=self._step_region,
+            device=self.root_device,
+        )
 
     def _pipeline_backward(self, closure_loss: Tensor) -> Tensor:
         """The schedule already ran the backward: restore its gradients, fire the hooks, reduce."""
+        assert self._pp_loop is not None
         module = self.lightning_module
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         if self._zero is not None:
             self._zero.start_backward()  # as before any backward: it may clear the module's gradients
-        for p, g in self._pp_grads.items():
-            p.grad = g
-        self._pp_grads = {}
+        self._pp_loop.restore_gradients()
         if self._zero is not None:
             self._zero.finish_gradient_sync()  # no hook fired during the schedule: reduce all of them now
         return self.precision_plugin.post_backward(closure_loss, module)
-
-    def _check_pipeline_supported(self, module: torch.nn.Module) -> None:
-        if self._grad_scaler is not None:
-            raise PipelineError(
-                "precision='16-mixed' scales the loss with a GradScaler, but under pp > 1 the pipeline schedule runs "
-                "the backward, so the scale would be undone on unscaled gradients. Use precision='bf16-mixed' or "
-                "'32-true' with pp."
-            )
-        if not module.automatic_optimization:
-            raise PipelineError(
-                "pp > 1 needs automatic optimization: the pipeline schedule runs every microbatch's backward, so "
-                "a training_step that calls manual_backward cannot run under it. Use pp=1 for this module."
-            )
-        if self.config.zero == ZeroStage.PARAMETERS:
-            raise PipelineError(
-                "zero=3 with pp > 1 is not supported yet: use zero=1 (or 2) with pp, which keeps the parameters "
-                "whole on each stage and shards the optimizer states over the data ranks."
-            )
 
     def _check_experts_supported(self) -> None:
         if self.config.expert.load_balancing == LoadBalancing.AUX_LOSS and self._grad_scaler is not None:
@@ -566,7 +517,7 @@ class FiveDStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        _EXIT.failed = True  # peers may be gone: leave without waiting for them
+        mark_failed()
 
     # ------------------------------------------------------------------ collectives
     @override
@@ -598,15 +549,18 @@ class FiveDStrategy(ParallelStrategy):
         self.accelerator.teardown()
 
     # ------------------------------------------------------------------ checkpoints
+    @property
+    def _splits(self) -> list:
+        """The dims that split the model beyond data parallelism, each with full_state / local_state."""
+        return [s for s in (self._tp, self._ep, self._pp) if s is not None]
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        every_rank = self._tp is not None or self._pp is not None or self._ep is not None
-        state = ckpt.full_model_state(self.lightning_module, sharded=bool(self._fsdp_units), every_rank=every_rank)
-        if self._tp is not None:
-            state = self._tp.full_state(state)
-        if self._ep is not None:
-            state = self._ep.full_state(state)
-        return self._pp.full_state(state) if self._pp is not None else state
+        splits = self._splits
+        state = ckpt.full_model_state(self.lightning_module, sharded=bool(self._fsdp_units), every_rank=bool(splits))
+        for split in splits:  # tp shards, then ep's experts, then the other pipeline stages
+            state = split.full_state(state)
+        return state
 
     @override
     def optimizer_state(self, optimizer) -> dict[str, Any]:
@@ -644,13 +598,8 @@ class FiveDStrategy(ParallelStrategy):
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         state = checkpoint["state_dict"]
-        if self._tp is not None:
-            state = self._tp.local_state(state)
-        if self._ep is not None:
-            state = self._ep.local_state(state)
-        if self._pp is not None:  # a full checkpoint: this rank keeps its stages' entries
-            local = set(self.lightning_module.state_dict())
-            state = {k: v for k, v in state.items() if k in local}
+        for split in self._splits:  # a full checkpoint: this rank keeps its own pieces
+            state = split.local_state(state)
         ckpt.load_full_model_state(self.lightning_module, state, bool(self._fsdp_units), strict)
         if self._zero is not None:
             self._zero.refresh_masters()
@@ -679,27 +628,3 @@ class FiveDStrategy(ParallelStrategy):
             cls,
             description="lightning_5d: DP/ZeRO-0..3 + TP/SP + CP + PP + EP on one device mesh",
         )
-
-
-class _ExitState:
-    registered = False
-    failed = False  # a run failed: peers may never reach the exit barrier
-
-
-_EXIT = _ExitState()
-
-
-def _destroy_process_group() -> None:
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    try:
-        # A rank that tears its connections down while a peer still flushes the last
-        # collective makes that peer abort: leave together, unless the run failed (then
-        # peers may never arrive). Gloo's monitored barrier has rank 0 acknowledge every
-        # rank, so nobody leaves before everyone has arrived; it is bounded by its timeout.
-        if not _EXIT.failed and dist.get_backend() == "gloo":
-            dist.monitored_barrier(timeout=timedelta(seconds=60))
-    except Exception:
-        pass  # leaving anyway
-    finally:
-        dist.destroy_process_group()

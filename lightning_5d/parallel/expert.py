@@ -337,7 +337,7 @@ class ExpertParallel:
         dist.all_gather_object(gathered, {k: v.cpu() for k, v in listed.items()}, group=self.group)
         for part in gathered:
             for k, v in part.items():
-                out.setdefault(k, v.to(state[next(iter(listed))].device) if listed else v)
+                out.setdefault(k, v.to(self.device))
         return _ordered_like(out, state)
 
     def local_state(self, state: dict[str, Any]) -> dict[str, Any]:

@@ -501,6 +501,11 @@ class PipelineParallel:
             merged.update(part)
         return merged
 
+    def local_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A full state dict -> the entries of this rank's stages (no communication)."""
+        local = set(self.module.state_dict())
+        return {k: v for k, v in state.items() if k in local}
+
     def describe(self) -> str:
         ranges = ", ".join(f"{s}:{r.start}-{r.stop - 1}@{self.owner[s]}" for s, r in enumerate(self.ranges))
         return f"{self.schedule.value}, pp={self.pp} v={self.v} m={self.microbatches}; stage:blocks@rank {ranges}"

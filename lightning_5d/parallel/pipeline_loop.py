@@ -1,0 +1,99 @@
+"""The pipeline inside Lightning's loop: one Lightning batch as one pipeline run, and the
+gradients that run made, held past Lightning's ``zero_grad`` until the strategy's backward.
+
+Lightning zeroes gradients after the step and before backward, but the schedule runs every
+microbatch's backward inside the step. So the schedule's gradients wait outside the
+parameters until :meth:`PipelineLoop.restore_gradients`, where ZeRO reduces them once.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from lightning_5d.config import ZeroStage
+from lightning_5d.parallel.pipeline import PipelineMode, PipelineParallel
+from lightning_5d.parallel.pipeline_batch import PipelineError, apply_logs
+
+
+def check_pipeline_supported(module: nn.Module, zero: ZeroStage, grad_scaler: Any) -> None:
+    if grad_scaler is not None:
+        raise PipelineError(
+            "precision='16-mixed' scales the loss with a GradScaler, but under pp > 1 the pipeline schedule runs "
+            "the backward, so the scale would be undone on unscaled gradients. Use precision='bf16-mixed' or "
+            "'32-true' with pp."
+        )
+    if not module.automatic_optimization:
+        raise PipelineError(
+            "pp > 1 needs automatic optimization: the pipeline schedule runs every microbatch's backward, so "
+            "a training_step that calls manual_backward cannot run under it. Use pp=1 for this module."
+        )
+    if zero == ZeroStage.PARAMETERS:
+        raise PipelineError(
+            "zero=3 with pp > 1 is not supported yet: use zero=1 (or 2) with pp, which keeps the parameters "
+            "whole on each stage and shards the optimizer states over the data ranks."
+        )
+
+
+class PipelineLoop:
+    def __init__(self, pipeline: PipelineParallel, log_bubble: bool) -> None:
+        self.pipeline = pipeline
+        self.log_bubble = log_bubble
+        self._grads: dict[nn.Parameter, torch.Tensor] = {}
+
+    def run(
+        self,
+        mode: PipelineMode,
+        step: Callable[[Any], Any],
+        batch: Any,
+        *,
+        zero: Any,
+        cp: Any,
+        step_region: Callable[[], AbstractContextManager],
+        device: torch.device,
+    ) -> Any:
+        """Run ``step`` per microbatch on each stage; ``zero``/``cp`` are the strategy's engines or None."""
+        module = self.pipeline.module
+        earlier: dict = {}
+        if mode == PipelineMode.TRAIN:
+            trainer = module.trainer
+            self.pipeline.loss_scale = 1.0 / trainer.accumulate_grad_batches
+            # The schedule divides every gradient it finds by m, so gradients of earlier runs in
+            # this accumulation window wait outside; the window's first run starts from zero.
+            # The epoch loop's index, as Lightning's own zero_grad uses: the step may not take batch_idx.
+            if trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches != 0:
+                earlier = {p: p.grad for p in module.parameters() if p.grad is not None}
+            for p in module.parameters():
+                p.grad = None
+        if zero is not None:
+            zero.paused = True  # the schedule's many backwards: reduce once, afterwards
+        if cp is not None:
+            batch = cp.begin(batch)  # the sequence shard first, then its microbatches
+        try:
+            with step_region():
+                out, logged = self.pipeline.run(mode, step, batch)
+                if mode == PipelineMode.TRAIN and self.log_bubble:
+                    logged = [*logged, ("pp_bubble", self.pipeline.mean_bubble(), {"prog_bar": False})]
+                apply_logs(module, logged, device)  # inside: cp's token weighting applies too
+        finally:
+            if zero is not None:
+                zero.paused = False
+            if cp is not None:
+                cp.end()
+        if mode == PipelineMode.TRAIN:
+            # Out of reach of Lightning's zero_grad until restore_gradients puts them back.
+            grads = {p: p.grad for p in module.parameters() if p.grad is not None}
+            for p in grads:
+                p.grad = None
+            for p, g in earlier.items():
+                grads[p] = g if p not in grads else grads[p] + g
+            self._grads = grads
+        return out
+
+    def restore_gradients(self) -> None:
+        for p, g in self._grads.items():
+            p.grad = g
+        self._grads = {}
