@@ -14,6 +14,8 @@ from lightning_5d.config import (
     ParallelConfig,
     ZeroStage,
 )
+from lightning_5d.fp8.recipes import Fp8Backend, Fp8Recipe
+from lightning_5d.precision import FiveDPrecision, PrecisionError
 from lightning_5d.strategy import FiveDStrategy
 
 if FiveDStrategy.strategy_name not in StrategyRegistry:
@@ -21,10 +23,14 @@ if FiveDStrategy.strategy_name not in StrategyRegistry:
 
 __all__ = [
     "ActivationCheckpointing",
+    "FiveDPrecision",
     "FiveDStrategy",
+    "Fp8Backend",
+    "Fp8Recipe",
     "Layout",
     "LayoutError",
     "ParallelConfig",
+    "PrecisionError",
     "ZeroStage",
     "__version__",
 ]

@@ -34,9 +34,16 @@ class ModelStateBytes:
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The part of ``t`` stored on this rank (the local shard of a DTensor)."""
+    """The part of ``t`` stored on this rank (the local shard of a DTensor), unwrapped down to
+    the plain tensor that owns the storage (a wrapper subclass has none of its own)."""
     inner = getattr(t, "_local_tensor", None)
-    return inner if inner is not None else t
+    t = inner if inner is not None else t
+    while type(t) is not torch.Tensor and type(t) is not nn.Parameter and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        if len(names) != 1:
+            break
+        t = getattr(t, names[0])
+    return t
 
 
 class _StorageSet:

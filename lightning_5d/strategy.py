@@ -4,7 +4,7 @@ layout validation to ``config``, ranks and groups to ``mesh``, sharding to ``par
 
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Generator, Mapping
 
@@ -20,6 +20,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -42,7 +43,7 @@ from lightning_5d.parallel.activation_checkpoint import apply_activation_checkpo
 from lightning_5d.parallel.context import ContextParallel, ContextParallelError
 from lightning_5d.parallel.data import DataGroups, ZeroDataParallel, broadcast_module
 from lightning_5d.parallel.expert import ExpertParallel, ExpertParallelError
-from lightning_5d.parallel.fsdp import apply_expert_fsdp, apply_fsdp, set_gradient_sync
+from lightning_5d.parallel.fsdp import apply_expert_fsdp, apply_fp8_gather_units, apply_fsdp, set_gradient_sync
 from lightning_5d.parallel.grad_norm import clip_grad_norm_
 from lightning_5d.parallel.pipeline import PipelineMode, PipelineParallel
 from lightning_5d.parallel.pipeline_batch import PipelineError
@@ -53,6 +54,7 @@ from lightning_5d.parallel.zero_set import ZeroSet
 from lightning_5d.plan import describe, discover
 from lightning_5d.process_exit import leave_together_at_exit, mark_failed
 from lightning_5d.plan.blocks import find_blocks, require_blocks
+from lightning_5d.precision import FiveDPrecision, PrecisionError
 
 
 class FiveDStrategy(ParallelStrategy):
@@ -122,6 +124,25 @@ class FiveDStrategy(ParallelStrategy):
         self._ep: ExpertParallel | None = None
         self._in_backward_sync_block = False
         self.num_nodes = 1
+
+    @property
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else Precision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # precision='bf16-mixed' means Megatron's bf16 mixed here (bf16 weights, fp32 masters):
+        # Lightning's autocast over fp32 weights would hold 4 + 4 bytes where the planner counts 2 + 2.
+        if isinstance(plugin, MixedPrecision) and plugin.precision == "bf16-mixed":
+            plugin = FiveDPrecision("bf16-mixed")
+        if isinstance(plugin, FiveDPrecision):
+            plugin.attached = True
+        self._precision_plugin = plugin
+
+    @property
+    def _five_d_precision(self) -> FiveDPrecision | None:
+        plugin = self._precision_plugin
+        return plugin if isinstance(plugin, FiveDPrecision) else None
 
     @classmethod
     def from_config(cls, config: ParallelConfig | Mapping[str, Any], **kwargs: Any) -> "FiveDStrategy":
@@ -245,6 +266,9 @@ class FiveDStrategy(ParallelStrategy):
     def setup(self, trainer) -> None:
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
+        precision = self._five_d_precision
+        if precision is not None:
+            precision.device_type = self.root_device.type
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._parallelize(self.lightning_module)
@@ -254,6 +278,9 @@ class FiveDStrategy(ParallelStrategy):
             if self._zero is not None:
                 for optimizer in self.optimizers:
                     self._zero.shard_optimizer(optimizer)
+            if precision is not None:  # bf16 parameters the optimizer still holds get fp32 masters
+                for optimizer in self.optimizers:
+                    precision.add_master_weights(optimizer)
         self.setup_precision_plugin()
         if self._tp is not None or self._pp is not None or self._ep is not None:
             # Lightning's clipping sees only this rank's pieces; ours takes the global norm.
@@ -277,8 +304,14 @@ class FiveDStrategy(ParallelStrategy):
             return
         if self._fsdp_units:
             return
+        precision = self._five_d_precision
+        fp8 = precision is not None and precision.fp8 is not None
+        if precision is not None and self.config.zero != ZeroStage.PARAMETERS:
+            precision.cast_parameters(module)  # ZeRO-3 keeps fp32 shards: FSDP2 casts per all-gather
         broadcast_module(module, self.mesh)
         tp, cp, pp, ep = self.mesh.size("tp"), self.mesh.size("cp"), self.mesh.size("pp"), self.layout.ep
+        if precision is not None:
+            self._check_precision_supported(precision, pp, ep)
         if pp > 1:
             check_pipeline_supported(module, self.config.zero, self._grad_scaler)
         if ep > 1 and self.config.sequence_parallel:
@@ -288,9 +321,14 @@ class FiveDStrategy(ParallelStrategy):
             )
         # Capacity and load balancing need our dispatch even when every expert is local.
         experts_wanted = ep > 1 or self.config.expert.wants_dispatch
-        plan = discover(module, self.config.model_plan) if max(tp, cp, pp) > 1 or experts_wanted else None
+        wanted = max(tp, cp, pp) > 1 or experts_wanted or fp8
+        plan = discover(module, self.config.model_plan) if wanted else None
         if plan is not None:
             rank_zero_info(f"[lightning_5d] model plan:\n{describe(plan)}")
+        if fp8:
+            precision.apply_fp8(module, plan, tp)
+        if precision is not None:
+            rank_zero_info(f"[lightning_5d] precision: {precision.describe()}")
         if tp > 1:
             self._tp = TensorParallel(module, plan, self.mesh["tp"], self.config.sequence_parallel)
             if self.config.sequence_parallel and self.config.zero != ZeroStage.PARAMETERS:
@@ -312,20 +350,34 @@ class FiveDStrategy(ParallelStrategy):
             rank_zero_info(f"[lightning_5d] pipeline: {self._pp.describe()}")
         if self.config.zero == ZeroStage.PARAMETERS:
             _, blocks = find_blocks(module)
-            expert_units = apply_expert_fsdp(self._ep, self.mesh) if ep > 1 else []
-            self._fsdp_units = expert_units + apply_fsdp(module, blocks, self.mesh, inner=expert_units)
+            policy = precision.fsdp_policy() if precision is not None else None
+            inner = apply_expert_fsdp(self._ep, self.mesh, policy) if ep > 1 else []
+            if fp8 and precision.fp8.fp8_all_gather:
+                # Experts under ep > 1 are their own units on another mesh: they gather in bf16.
+                dense = [n for n in precision.fp8_names if ep == 1 or not self._ep.is_expert(f"{n}.weight")]
+                names = precision.enable_fp8_all_gather(module, dense)
+                linears = [module.get_submodule(n) for n in names]
+                inner = inner + apply_fp8_gather_units(linears, self.mesh, precision.reduce_dtype)
+            self._fsdp_units = inner + apply_fsdp(module, blocks, self.mesh, mp_policy=policy, inner=inner)
         elif ep > 1:
             # Expert gradients reduce over the ranks holding the same experts, the rest over dp x cp.
             is_expert, stage, mb = self._ep.is_expert, self.config.zero, self.config.bucket_size_mb
+            rd = precision.reduce_dtype if precision is not None else None
             experts = DataGroups.experts(self.mesh)
             self._zero = ZeroSet(
                 [
-                    ZeroDataParallel(module, self.mesh, stage, mb, owns=lambda name: not is_expert(name)),
-                    ZeroDataParallel(module, self.mesh, stage, mb, groups=experts, owns=is_expert),
+                    ZeroDataParallel(module, self.mesh, stage, mb, rd, owns=lambda name: not is_expert(name)),
+                    ZeroDataParallel(module, self.mesh, stage, mb, rd, groups=experts, owns=is_expert),
                 ]
             )
         elif self.mesh.size("dp_cp") > 1:
-            self._zero = ZeroDataParallel(module, self.mesh, self.config.zero, self.config.bucket_size_mb)
+            self._zero = ZeroDataParallel(
+                module,
+                self.mesh,
+                self.config.zero,
+                self.config.bucket_size_mb,
+                reduce_dtype=precision.reduce_dtype if precision is not None else None,
+            )
         # else: no data-parallel peers, nothing to reduce or shard: plain single-rank training.
 
     @override
@@ -427,6 +479,19 @@ class FiveDStrategy(ParallelStrategy):
             self._zero.finish_gradient_sync()  # no hook fired during the schedule: reduce all of them now
         return self.precision_plugin.post_backward(closure_loss, module)
 
+    def _check_precision_supported(self, precision: FiveDPrecision, pp: int, ep: int) -> None:
+        if precision.guard.every and (pp > 1 or ep > 1):
+            raise PrecisionError(
+                f"numerics_check_every={precision.guard.every} with pp={pp}, ep={ep}: the check runs the step's "
+                f"forward a second time, which a pipeline schedule and the expert all-to-all do not allow yet; "
+                f"set numerics_check_every=0 there, or check on a pp=1, ep=1 layout."
+            )
+        if precision.fp8 is not None and precision.fp8.fp8_all_gather and self.config.zero != ZeroStage.PARAMETERS:
+            raise PrecisionError(
+                f"fp8_all_gather=true all-gathers ZeRO-3 parameters; zero={int(self.config.zero)} never all-gathers "
+                f"parameters before the forward. Use zero=3, or fp8_all_gather=false."
+            )
+
     def _check_experts_supported(self) -> None:
         if self.config.expert.load_balancing == LoadBalancing.AUX_LOSS and self._grad_scaler is not None:
             raise ExpertParallelError(
@@ -464,7 +529,37 @@ class FiveDStrategy(ParallelStrategy):
         # until then, for activation-checkpoint recomputation (see backward). Manual
         # optimization runs its backward(s) inside the step.
         automatic = self.lightning_module.automatic_optimization
-        return self._run_step(super().training_step, args, kwargs, keep_shard=automatic)
+        precision = self._five_d_precision
+        guard = precision is not None and precision.fp8 is not None and automatic
+        guard = guard and precision.guard.due(self.lightning_module.trainer.global_step)
+        # The check's forward runs first: under cp the real step's shard must stay active until its backward.
+        reference = self._forward_without_fp8(args, kwargs) if guard else None
+        out = self._run_step(super().training_step, args, kwargs, keep_shard=automatic)
+        if reference is not None:
+            self._compare_with_bf16(out, reference)
+        return out
+
+    def _forward_without_fp8(self, args: tuple, kwargs: dict) -> float | None:
+        precision, module = self._five_d_precision, self.lightning_module
+        assert precision is not None
+        quiet = lambda *a, **k: None  # noqa: E731  (the check must not log the user's metrics twice)
+        module.log, module.log_dict = quiet, quiet
+        try:
+            with torch.no_grad(), precision.fp8_off():
+                out = self._run_step(super().training_step, args, kwargs)
+        finally:
+            del module.log, module.log_dict
+        loss = _step_loss(out)
+        return None if loss is None else float(loss)
+
+    def _compare_with_bf16(self, out: Any, reference: float) -> None:
+        loss = _step_loss(out)
+        if loss is None:
+            return
+        precision = self._five_d_precision
+        assert precision is not None
+        rel = precision.check_numerics(float(loss.detach()), reference, warn=self.is_global_zero)
+        self.lightning_module.log("fp8/loss_rel_diff", rel, sync_dist=True, on_step=True, on_epoch=False)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -513,6 +608,8 @@ class FiveDStrategy(ParallelStrategy):
         names = {id(p): n for n, p in self.lightning_module.named_parameters()}
         if self._zero is not None:
             names.update(self._zero.master_names())
+        if self._five_d_precision is not None:
+            names.update(self._five_d_precision.master_names(self.lightning_module))
         return {i for i, name in names.items() if matches(name)}
 
     @override
@@ -571,10 +668,11 @@ class FiveDStrategy(ParallelStrategy):
                     f"saving optimizer state under {dim} > 1 is not supported yet (each {dim} rank holds its own "
                     f"part); save weights only (ModelCheckpoint(save_weights_only=True)) or train with {dim}=1."
                 )
-        if self._zero is None:  # FSDP2, or no data-parallel peers: torch's own full format
-            state = ckpt.dcp_optimizer_state(self.lightning_module, optimizer, every_rank=self._tp is not None)
-        else:
-            state = self._zero.full_optimizer_state(optimizer)
+        with self._keyed_by_model_params(optimizer):
+            if self._zero is None:  # FSDP2, or no data-parallel peers: torch's own full format
+                state = ckpt.dcp_optimizer_state(self.lightning_module, optimizer, every_rank=self._tp is not None)
+            else:
+                state = self._zero.full_optimizer_state(optimizer)
         return self._tp.full_optimizer_state(state) if self._tp is not None else state
 
     @override
@@ -603,6 +701,8 @@ class FiveDStrategy(ParallelStrategy):
         ckpt.load_full_model_state(self.lightning_module, state, bool(self._fsdp_units), strict)
         if self._zero is not None:
             self._zero.refresh_masters()
+        if self._five_d_precision is not None:
+            self._five_d_precision.refresh_masters()
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -615,10 +715,17 @@ class FiveDStrategy(ParallelStrategy):
         for optimizer, state in zip(self.optimizers, states):
             if self._tp is not None:
                 state = self._tp.local_optimizer_state(state)
-            if self._zero is None:
-                ckpt.load_dcp_optimizer_state(self.lightning_module, optimizer, state)
-            else:
-                self._zero.load_full_optimizer_state(optimizer, state)
+            with self._keyed_by_model_params(optimizer):
+                if self._zero is None:
+                    ckpt.load_dcp_optimizer_state(self.lightning_module, optimizer, state)
+                else:
+                    self._zero.load_full_optimizer_state(optimizer, state)
+
+    def _keyed_by_model_params(self, optimizer):
+        """fp32 masters stand in for bf16 parameters in the optimizer; checkpoints name the parameters."""
+        precision = self._five_d_precision
+        masters = precision.masters_of(optimizer) if precision is not None else None
+        return masters.as_model_params() if masters is not None else nullcontext()
 
     @classmethod
     @override
@@ -628,3 +735,12 @@ class FiveDStrategy(ParallelStrategy):
             cls,
             description="lightning_5d: DP/ZeRO-0..3 + TP/SP + CP + PP + EP on one device mesh",
         )
+
+
+def _step_loss(out: Any) -> Tensor | None:
+    """The loss a training_step returned (a tensor, or a dict's "loss"), None if it returned none."""
+    if isinstance(out, Tensor):
+        return out
+    if isinstance(out, Mapping) and isinstance(out.get("loss"), Tensor):
+        return out["loss"]
+    return None

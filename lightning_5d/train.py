@@ -117,6 +117,14 @@ def validate(cfg: DictConfig):
         from lightning_5d.parallel.context_batch import check_sequence_length
 
         check_sequence_length(_positive_int(cfg.data, "seq_len"), layout.cp, parallel.context.sharding)
+    if "precision" in cfg:
+        from lightning_5d.precision import precision_plugins
+
+        options = cfg.get("precision_options")
+        try:  # builds the plugin, so a bad recipe or option fails here, not in every worker
+            precision_plugins(cfg.precision, OmegaConf.to_container(options, resolve=True) if options else None)
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"precision: {err}") from None
     mode = cfg.launcher.mode
     if mode not in ("auto", "torchrun", "inprocess"):
         raise ConfigError(f"launcher.mode={mode!r} must be one of 'auto', 'torchrun', 'inprocess'.")

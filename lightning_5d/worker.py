@@ -29,6 +29,7 @@ def run(cfg: Mapping[str, Any], run_dir: str | Path) -> Optional[dict]:
 
     from lightning_5d.config import ParallelConfig
     from lightning_5d.models import LlamaLM, TextDataModule
+    from lightning_5d.precision import precision_plugins
     from lightning_5d.report import RunReport
     from lightning_5d.strategy import FiveDStrategy
 
@@ -63,7 +64,7 @@ def run(cfg: Mapping[str, Any], run_dir: str | Path) -> Optional[dict]:
             "run_dir": str(run_dir),
         },
     )
-    plugins = []
+    precision, plugins = precision_plugins(cfg["precision"], cfg.get("precision_options"))
     if TorchElasticEnvironment.detect():
         # Explicit, so that torchrun inside a one-task SLURM allocation is not taken for srun.
         plugins.append(TorchElasticEnvironment())
@@ -76,7 +77,7 @@ def run(cfg: Mapping[str, Any], run_dir: str | Path) -> Optional[dict]:
         devices=devices,
         num_nodes=num_nodes,
         strategy=FiveDStrategy.from_config(parallel),
-        precision=cfg["precision"],
+        precision=precision,
         default_root_dir=str(run_dir),
         enable_progress_bar=False,
         callbacks=[report],

@@ -18,7 +18,7 @@ from .report import estimate_json, format_estimate, format_plan, plan_json
 from .search import ALL_DIMS, plan
 from .spec import PRESETS, ModelSpecError, load_spec
 from .timing import Cluster
-from .training import AttentionKernel, Precision, TrainingSetup
+from .training import AttentionKernel, Precision, StateAccounting, TrainingSetup
 
 DEFAULT_SEQ_LEN = 4096  # the playbook's usual training length; long-context runs say --seq
 DEFAULT_BATCH_TOKENS = 4 * 2**20  # ~4M tokens per step, the playbook's typical LLM global batch
@@ -36,9 +36,7 @@ def _choices(enum_cls) -> list[str]:
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model", required=True, help=f"preset ({', '.join(sorted(PRESETS))}) or path to a HF config.json"
-    )
+    p.add_argument("--model", required=True, help=f"preset ({', '.join(sorted(PRESETS))}) or path to a HF config.json")
     p.add_argument(
         "--seq",
         type=int,
@@ -46,8 +44,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         help="sequence length s (default: 4096, or the model's max_seq_len if shorter)",
     )
     p.add_argument("--precision", choices=_choices(Precision), default=Precision.BF16.value)
+    p.add_argument("--fp32-grad-accum", action="store_true", help="keep an fp32 gradient accumulator (+4 bytes/param)")
     p.add_argument(
-        "--fp32-grad-accum", action="store_true", help="keep an fp32 gradient accumulator (+4 bytes/param)"
+        "--state-accounting",
+        choices=_choices(StateAccounting),
+        default=StateAccounting.RUNTIME.value,
+        help="runtime: the fp32 master gradients lightning_5d holds (default); paper: the ZeRO paper's bytes",
     )
     p.add_argument(
         "--attention",
@@ -55,9 +57,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         default=AttentionKernel.FLASH.value,
         help="flash: no s x s scores kept; eager: scores kept for backward",
     )
-    p.add_argument(
-        "--gpus-per-node", type=int, default=8, help="decides which groups cross nodes (default 8)"
-    )
+    p.add_argument("--gpus-per-node", type=int, default=8, help="decides which groups cross nodes (default 8)")
     p.add_argument("--json", action="store_true", help="print JSON with stable keys instead of a table")
     p.add_argument(
         "--plot",
@@ -92,9 +92,7 @@ def register(subparsers: Any) -> None:
     sizes.add_argument("--zero", type=int, choices=range(4), default=1)
     sizes.add_argument("--gpus", type=int, default=None, help="check that the sizes multiply to this")
     pipe = est.add_argument_group("pipeline and batch")
-    pipe.add_argument(
-        "--schedule", choices=_choices(PipelineSchedule), default=PipelineSchedule.ONE_F_ONE_B.value
-    )
+    pipe.add_argument("--schedule", choices=_choices(PipelineSchedule), default=PipelineSchedule.ONE_F_ONE_B.value)
     pipe.add_argument("--microbatches", type=int, default=None, help="m per pipeline run (default 2*pp)")
     pipe.add_argument("--virtual-stages", type=int, default=1, help="v for interleaved 1F1B")
     pipe.add_argument("--mbs", type=int, default=1, help="micro-batch size b (sequences)")
@@ -183,6 +181,7 @@ def run_estimate(args: argparse.Namespace) -> int:
             recompute=args.recompute,
             precision=args.precision,
             fp32_grad_accumulation=args.fp32_grad_accum,
+            state_accounting=args.state_accounting,
             micro_batch_size=args.mbs,
             seq_len=_seq_len(args, spec),
             grad_accum=args.grad_accum,

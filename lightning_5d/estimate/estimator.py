@@ -16,8 +16,9 @@ from .training import TrainingSetup, validate
 # Written into every JSON result so a number is never read under the wrong convention.
 CONVENTIONS = {
     "memory": "bytes on the most loaded rank, GiB = 2^30; ZeRO shards over dp_shard*cp",
-    "model_state": "bf16 mixed: 2 (param) + 2 (grad) + 12 (fp32 master, Adam m, v) bytes/param; "
-    "fp32 grad accumulation adds 4 bytes/param to grads",
+    "model_state": "bf16 mixed, paper: 2 (param) + 2 (grad) + 12 (fp32 master, Adam m, v) bytes/param; "
+    "runtime (default): + the fp32 master gradient at the step (Z0 2+4+12; Z1 2+(2+4/N)+12/N; Z2 2+4/N+12/N; "
+    "Z3 FSDP2 fp32 shards 4/N+4/N+8/N); fp32 grad accumulation adds 4 bytes/param to grads",
     "activations": "Korthikanti et al. 2022 Table 2 terms, shape-aware (GQA, SwiGLU, MoE top-k, flash attention)",
     "flops": "model: 6*N_matmul + 12*L*s*h per token (no causal halving); hardware adds recompute",
     "comm": "bytes sent per rank per optimizer step, ring algorithms",
@@ -48,9 +49,7 @@ class Estimate:
 
     def hfu(self, step_time_s: float, peak_flops_per_gpu: float) -> float:
         """Hardware FLOPs utilization (recompute included)."""
-        return utilization(
-            self.flops.hardware_per_step, step_time_s, self.setup.world_size, peak_flops_per_gpu
-        )
+        return utilization(self.flops.hardware_per_step, step_time_s, self.setup.world_size, peak_flops_per_gpu)
 
     def to_dict(self) -> dict[str, Any]:
         """Stable keys; see docs/planner.md."""

@@ -23,7 +23,7 @@ from lightning_5d.config import ActivationCheckpointing, ZeroStage
 from .params import ParamCounts, RankParams, Stage, count_params, kv_heads_per_rank, rank_params
 from .schedule import in_flight_layer_microbatches, last_stage_in_flight
 from .spec import MlpKind, ModelSpec, NormKind
-from .training import AttentionKernel, Precision, TrainingSetup
+from .training import AttentionKernel, Precision, StateAccounting, TrainingSetup
 
 GIB = 2**30
 
@@ -53,10 +53,13 @@ def model_state_bytes(
     nd: int = 1,
     precision: Precision | str = Precision.BF16,
     fp32_grad_accumulation: bool = False,
+    accounting: StateAccounting = StateAccounting.PAPER,
 ) -> ModelStateBytes:
     """Bytes for Psi parameters on one of N_d ranks sharding at ZeRO stage ``zero``."""
     zero = ZeroStage(zero)
     param, grad, optimizer = bytes_per_param(Precision(precision), fp32_grad_accumulation)
+    if StateAccounting(accounting) is StateAccounting.RUNTIME and param < 4:
+        return _runtime_mixed_state(psi, zero, nd, grad - 2)
     return ModelStateBytes(
         params=psi * param / (nd if zero >= ZeroStage.PARAMETERS else 1),
         grads=psi * grad / (nd if zero >= ZeroStage.GRADIENTS else 1),
@@ -64,9 +67,27 @@ def model_state_bytes(
     )
 
 
+def _runtime_mixed_state(psi: float, zero: ZeroStage, nd: int, accumulator: int) -> ModelStateBytes:
+    """bf16 weights with fp32 masters as FiveDStrategy holds them at the optimizer step (bytes/param):
+    Z0 2 + 4 (fp32 master gradients; the bf16 ones are freed as they move) + 12; Z1 2 + (2 + 4/N) +
+    12/N; Z2 2 + 4/N + 12/N; Z3 (FSDP2, fp32 shards cast to bf16 per all-gather) 4/N + 4/N + 8/N.
+    ``accumulator``: bytes of a separate fp32 accumulation buffer, kept whole until Z2."""
+    extra = accumulator / (nd if zero >= ZeroStage.GRADIENTS else 1)
+    if zero is ZeroStage.PARAMETERS:
+        return ModelStateBytes(params=4 * psi / nd, grads=4 * psi / nd + psi * extra, optimizer=8 * psi / nd)
+    grads = {ZeroStage.NONE: 4.0, ZeroStage.OPTIMIZER: 2 + 4 / nd, ZeroStage.GRADIENTS: 4 / nd}[zero]
+    optimizer = 12 / (nd if zero >= ZeroStage.OPTIMIZER else 1)
+    return ModelStateBytes(params=2 * psi, grads=psi * (grads + extra), optimizer=psi * optimizer)
+
+
 def rank_model_state_bytes(spec: ModelSpec, setup: TrainingSetup, rank: RankParams) -> ModelStateBytes:
     """Dense weights shard over N_d = dp_shard*cp; expert weights over N_d/ep (ep borrows those ranks)."""
-    kw = dict(zero=setup.zero, precision=setup.precision, fp32_grad_accumulation=setup.fp32_grad_accumulation)
+    kw = dict(
+        zero=setup.zero,
+        precision=setup.precision,
+        fp32_grad_accumulation=setup.fp32_grad_accumulation,
+        accounting=setup.state_accounting,
+    )
     dense = model_state_bytes(rank.dense, nd=setup.zero_group, **kw)
     experts = model_state_bytes(rank.expert, nd=setup.zero_group // setup.ep, **kw)
     return dense + experts
@@ -135,9 +156,7 @@ def layer_activations(spec: ModelSpec, setup: TrainingSetup) -> LayerActivations
         sharded += tensors_per_width * e * sb * (k * spec.expert_width + spec.shared_width) / t
     else:
         sharded += tensors_per_width * e * sb * spec.intermediate_size / t
-    return LayerActivations(
-        replicated=replicated / rep, sharded=sharded, scores=scores, layer_input=e * sb * h / rep
-    )
+    return LayerActivations(replicated=replicated / rep, sharded=sharded, scores=scores, layer_input=e * sb * h / rep)
 
 
 def head_activations(spec: ModelSpec, setup: TrainingSetup) -> float:
@@ -198,13 +217,7 @@ def buffer_bytes(spec: ModelSpec, setup: TrainingSetup, rank: RankParams) -> dic
     if setup.cp > 1:
         e = ACTIVATION_BYTES[setup.precision]
         chunk = (
-            2
-            * e
-            * setup.seq_len
-            / setup.cp
-            * setup.micro_batch_size
-            * spec.d_head
-            * kv_heads_per_rank(spec, setup.tp)
+            2 * e * setup.seq_len / setup.cp * setup.micro_batch_size * spec.d_head * kv_heads_per_rank(spec, setup.tp)
         )
         out["cp_ring"] = 2 * chunk  # the KV block being used and the one arriving
     return out

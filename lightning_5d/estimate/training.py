@@ -32,6 +32,17 @@ class Precision(str, Enum):
     FP8 = "fp8"  # bf16 mixed precision whose matmuls run in fp8 (weights stay bf16; casts are transient)
 
 
+class StateAccounting(str, Enum):
+    """Which bytes of mixed-precision model state are counted (fp32 runs hold the same in both)."""
+
+    # ZeRO paper / playbook: bf16 gradients only; the fp32 gradient the master steps with is not counted.
+    PAPER = "paper"
+    # What FiveDStrategy holds at the optimizer step: the fp32 master gradient (full at ZeRO-0, where
+    # the bf16 one is freed as it moves; a 1/N slice at ZeRO-1/2), and at ZeRO-3 FSDP2's fp32 shards
+    # as parameters with fp32 sharded gradients.
+    RUNTIME = "runtime"
+
+
 # Lightning's precision strings, so `precision=trainer.precision` works.
 _PRECISION_ALIASES = {
     "bf16-mixed": "bf16",
@@ -67,13 +78,12 @@ class TrainingSetup:
     zero: ZeroStage = ZeroStage.OPTIMIZER  # ParallelConfig's default; irrelevant without data parallelism
     sequence_parallel: bool = True  # only meaningful with tp > 1; on by default as in Megatron/torchtitan
     schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
-    microbatches: int | None = (
-        None  # m per pipeline run; None: 2*pp (config.PipelineConfig's default), 1 without pp
-    )
+    microbatches: int | None = None  # m per pipeline run; None: 2*pp (config.PipelineConfig's default), 1 without pp
     virtual_stages: int = 1  # v; V-shaped schedules always use 2
     recompute: ActivationCheckpointing = ActivationCheckpointing.NONE
     precision: Precision = Precision.BF16
     fp32_grad_accumulation: bool = False
+    state_accounting: StateAccounting = StateAccounting.RUNTIME
     micro_batch_size: int = 1  # b, sequences per microbatch per data-parallel rank
     seq_len: int = 4096  # s, full sequence (cp splits it)
     grad_accum: int = 1  # optimizer step = grad_accum pipeline runs of m microbatches each
@@ -86,6 +96,7 @@ class TrainingSetup:
             "schedule": PipelineSchedule,
             "recompute": ActivationCheckpointing,
             "attention": AttentionKernel,
+            "state_accounting": StateAccounting,
         }
         for name, enum_cls in coerce.items():
             object.__setattr__(self, name, _coerce_enum(enum_cls, getattr(self, name), name))

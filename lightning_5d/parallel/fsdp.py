@@ -76,6 +76,23 @@ def apply_expert_fsdp(experts, mesh: ParallelMesh, mp_policy: MixedPrecisionPoli
     return units
 
 
+def apply_fp8_gather_units(
+    linears: Sequence[nn.Module], mesh: ParallelMesh, reduce_dtype: torch.dtype | None
+) -> list[FSDPModule]:
+    """Shard each FP8-all-gather linear as its own unit, before the blocks.
+
+    Its weight arrives as fp32 (the fp8 values, dequantized exactly) and so gets an fp32
+    gradient, while a block unit under a bf16 policy makes bf16 gradients for its norms;
+    FSDP2 reduce-scatters one dtype per unit, so the linears cannot share the block's unit.
+    """
+    policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype)
+    units: list[FSDPModule] = []
+    for linear in linears:
+        fully_shard(linear, mesh=fsdp_mesh(mesh), mp_policy=policy)
+        units.append(linear)  # type: ignore[arg-type]
+    return units
+
+
 def _set_prefetch(blocks: Sequence[FSDPModule]) -> None:
     # One block ahead in both directions: gathers overlap compute, memory stays ~2 blocks.
     for prev, nxt in zip(blocks, blocks[1:]):

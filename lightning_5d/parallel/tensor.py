@@ -161,7 +161,8 @@ def _row_forward(module: nn.Module, kind: ProjectionKind, reduce: Callable[[Tens
         if kind is ProjectionKind.CONV1D:
             y = torch.mm(x.reshape(-1, x.size(-1)), module.weight).view(*x.shape[:-1], module.weight.size(1))
         else:
-            y = F.linear(x, module.weight)
+            fp8_matmul = getattr(module, "matmul_no_bias", None)  # an FP8 linear keeps its own GEMM
+            y = fp8_matmul(x) if fp8_matmul is not None else F.linear(x, module.weight)
         y = reduce(y)
         return y if module.bias is None else y + module.bias
 

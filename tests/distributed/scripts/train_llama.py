@@ -40,7 +40,10 @@ parser.add_argument("--accumulate", type=int, default=1)
 parser.add_argument("--clip", type=float, default=None)
 parser.add_argument("--steps", type=int, default=5)
 parser.add_argument("--ac", default="none")
-parser.add_argument("--precision", default="32-true")
+parser.add_argument("--precision", default="32-true", help="a Lightning precision, or fp8-<recipe> (FiveDPrecision)")
+parser.add_argument("--fp8-all-gather", action="store_true")
+parser.add_argument("--numerics-every", type=int, default=0)
+parser.add_argument("--reduce-dtype", default="fp32")
 parser.add_argument("--num-samples", type=int, default=None)
 parser.add_argument("--max-epochs", type=int, default=None, help="train whole epochs instead of --steps")
 parser.add_argument("--save", action="store_true", help="ModelCheckpoint: epoch=N.ckpt in --out at each epoch end")
@@ -110,11 +113,18 @@ logged_losses = RecordLogged()
 callbacks = [measure, logged_losses]
 if args.save:
     callbacks.append(ModelCheckpoint(dirpath=args.out, filename="{epoch}", save_top_k=-1, save_on_train_epoch_end=True))
+precision, plugins = args.precision, []
+if args.precision.startswith("fp8") or args.reduce_dtype != "fp32":
+    fp8 = {"fp8": {"fp8_all_gather": True}} if args.fp8_all_gather else {}
+    guard = {"numerics_check_every": args.numerics_every} if args.numerics_every else {}
+    plugin = lightning_5d.FiveDPrecision.from_string(args.precision, reduce_dtype=args.reduce_dtype, **fp8, **guard)
+    precision, plugins = None, [plugin]
 trainer = L.Trainer(
     accelerator="cpu",
     strategy=strategy,
+    plugins=plugins,
     devices=int(__import__("os").environ["WORLD_SIZE"]),
-    precision=args.precision,
+    precision=precision,
     max_steps=-1 if args.max_epochs else args.steps,
     max_epochs=args.max_epochs,
     accumulate_grad_batches=args.accumulate,
@@ -142,6 +152,9 @@ record = {
     **measure.bytes,
     "activations": measure.activations,
     "logged_train_loss": None if logged is None else float(logged),
+    "fp8_loss_rel_diff": float(trainer.callback_metrics["fp8/loss_rel_diff"])
+    if "fp8/loss_rel_diff" in trainer.callback_metrics
+    else None,
     "logged_losses": [float(x) for x in logged_losses.losses],
     "val_loss": float(trainer.callback_metrics["val_loss"]) if "val_loss" in trainer.callback_metrics else None,
 }

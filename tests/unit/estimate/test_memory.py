@@ -21,17 +21,35 @@ L8B = get_preset("llama3-8b")
 L70B = get_preset("llama3-70b")
 
 
-def test_single_rank_holds_16_bytes_per_param():
-    est = estimate(L8B, seq_len=1024, zero=0)
+def test_single_rank_holds_16_bytes_per_param_in_the_papers_accounting():
+    est = estimate(L8B, seq_len=1024, zero=0, state_accounting="paper")
     m = est.memory
     assert m.params + m.grads + m.optimizer == 16 * count_params(L8B).total
+
+
+def test_runtime_accounting_adds_the_fp32_gradient_the_master_steps_with():
+    psi = count_params(L8B).total
+    m = estimate(L8B, seq_len=1024, zero=0).memory  # the default: what FiveDStrategy holds
+    assert (m.params, m.grads, m.optimizer) == (2 * psi, 4 * psi, 12 * psi)
+    fp32 = estimate(L8B, seq_len=1024, zero=0, precision="fp32").memory
+    assert (fp32.params, fp32.grads, fp32.optimizer) == (4 * psi, 4 * psi, 8 * psi)  # no separate master
+
+
+@pytest.mark.parametrize("zero, per_param", [(0, (2, 4, 12)), (1, (2, 2 + 4 / 8, 12 / 8)), (2, (2, 4 / 8, 12 / 8)),
+                                             (3, (4 / 8, 4 / 8, 8 / 8))])  # fmt: skip
+def test_runtime_accounting_per_zero_stage(zero, per_param):
+    psi = count_params(L8B).total
+    m = estimate(L8B, dp_shard=4, cp=2, zero=zero, seq_len=1024).memory
+    assert (m.params, m.grads, m.optimizer) == pytest.approx(tuple(b * psi for b in per_param))
 
 
 @pytest.mark.parametrize(
     "precision, fp32_accum, per_param", [("fp32", False, 16), ("bf16", True, 20), ("fp8", False, 16)]
 )
 def test_precisions(precision, fp32_accum, per_param):
-    m = estimate(L8B, seq_len=1024, precision=precision, fp32_grad_accumulation=fp32_accum).memory
+    m = estimate(
+        L8B, seq_len=1024, precision=precision, fp32_grad_accumulation=fp32_accum, state_accounting="paper"
+    ).memory
     assert m.params + m.grads + m.optimizer == per_param * count_params(L8B).total
 
 
@@ -44,7 +62,7 @@ def test_fp32_activations_are_twice_bf16():
 def test_zero_stages_shard_over_dp_shard_times_cp():
     psi = count_params(L8B).total
     for zero in ZeroStage:
-        m = estimate(L8B, dp_shard=4, cp=2, zero=zero, seq_len=1024).memory
+        m = estimate(L8B, dp_shard=4, cp=2, zero=zero, seq_len=1024, state_accounting="paper").memory
         nd = 8
         assert m.optimizer == pytest.approx(12 * psi / (nd if zero >= 1 else 1))
         assert m.grads == pytest.approx(2 * psi / (nd if zero >= 2 else 1))
@@ -72,10 +90,7 @@ def test_tp_splits_weights_and_pp_splits_layers():
 def test_tied_embeddings_are_copied_to_the_last_stage():
     spec = L8B.replace(tie_embeddings=True)
     last = rank_params(spec, TrainingSetup(pp=2), Stage.LAST)
-    assert (
-        last.dense - 16 * count_params(spec).layer.total
-        == spec.vocab_size * spec.hidden_size + spec.hidden_size
-    )
+    assert last.dense - 16 * count_params(spec).layer.total == spec.vocab_size * spec.hidden_size + spec.hidden_size
 
 
 def test_experts_shard_over_ep():

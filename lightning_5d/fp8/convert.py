@@ -1,0 +1,57 @@
+"""Swapping a model's chosen ``nn.Linear`` layers for :class:`Fp8Linear` in place.
+
+Which layers to convert is decided elsewhere (the plan knows which linears are projections worth
+running in FP8 and which, like the output head, usually are not); this module only performs the
+swap, keeping parameter identity so that nothing holding the parameters has to be told.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from torch import nn
+
+from lightning_5d.fp8.linear import Fp8Linear
+from lightning_5d.fp8.recipes import Fp8Recipe
+
+
+def _lookup(root: nn.Module, name: str) -> nn.Module:
+    try:
+        return root.get_submodule(name)
+    except AttributeError as err:
+        raise ValueError(f"convert_to_fp8: no submodule at {name!r} ({err})") from None
+
+
+def convert_to_fp8(root: nn.Module, names: Iterable[str], recipe: Fp8Recipe | str, **options: Any) -> list[str]:
+    """Replace the ``nn.Linear`` at each dotted path in ``names`` by an Fp8Linear sharing its
+    parameters; return the paths converted now (ones that already are Fp8Linear are left as they
+    are and not returned). Every path is checked before anything changes, so a bad path leaves the
+    model untouched."""
+    recipe = Fp8Recipe(recipe)
+    Fp8Linear._check_options(options)
+    todo: list[tuple[str, nn.Linear]] = []
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            continue
+        seen.add(name)
+        if not name:
+            raise ValueError("convert_to_fp8: the root module itself cannot be replaced; name a submodule path")
+        module = _lookup(root, name)
+        if isinstance(module, Fp8Linear):
+            continue
+        if not isinstance(module, nn.Linear):
+            raise ValueError(f"convert_to_fp8: {name!r} is a {type(module).__name__}, not an nn.Linear")
+        todo.append((name, module))
+    converted = []
+    for name, module in todo:
+        parent_name, _, child = name.rpartition(".")
+        parent = root.get_submodule(parent_name) if parent_name else root
+        setattr(parent, child, Fp8Linear.from_linear(module, recipe, **options))
+        converted.append(name)
+    return converted
+
+
+def fp8_linears(root: nn.Module) -> dict[str, Fp8Linear]:
+    """Every Fp8Linear under ``root`` by its dotted path."""
+    return {name: m for name, m in root.named_modules() if isinstance(m, Fp8Linear)}

@@ -1,0 +1,86 @@
+"""fp32 master copies for low-precision parameters the optimizer would otherwise step itself.
+
+ZeRO-1/2 already hand the optimizer fp32 master slices and ZeRO-3 keeps fp32 shards under
+FSDP2's mixed-precision policy; this covers the rest (ZeRO-0, or no data-parallel peers):
+each bf16 parameter in an optimizer is replaced there by an fp32 copy. After the backward
+its gradient moves into the copy (the bf16 one is freed as it goes, so the step holds fp32
+gradients, not both), the optimizer updates the copy, and the result is rounded back into
+the bf16 parameter the model computes with.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from torch import nn
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+class MasterWeights:
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        if optimizer.state:
+            raise RuntimeError("master weights must be made before the optimizer's first step.")
+        self.optimizer = optimizer
+        self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []  # (model parameter, fp32 master)
+        for group in optimizer.param_groups:
+            for i, p in enumerate(group["params"]):
+                if p.dtype in LOW_PRECISION:  # ZeRO-1/2 masters and ZeRO-3 shards are fp32 already
+                    master = nn.Parameter(p.detach().float(), requires_grad=p.requires_grad)
+                    group["params"][i] = master
+                    self._pairs.append((p, master))
+        self._param_of = {id(m): p for p, m in self._pairs}
+        self._hook = optimizer.register_step_post_hook(lambda *_: self.copy_to_model())
+
+    def __len__(self) -> int:
+        return len(self._pairs)
+
+    def param_of(self, p: torch.Tensor) -> torch.Tensor:
+        """The model parameter behind an optimizer parameter (a master or itself)."""
+        return self._param_of.get(id(p), p)
+
+    def move_grads(self) -> None:
+        for p, master in self._pairs:
+            if p.grad is None:
+                master.grad = None
+            else:
+                master.grad = p.grad.float()
+                p.grad = None
+
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        for p, master in self._pairs:
+            p.copy_(master)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Masters from the model's parameters, after their values were loaded."""
+        for p, master in self._pairs:
+            master.copy_(p)
+
+    @contextmanager
+    def as_model_params(self) -> Iterator[None]:
+        """The optimizer keyed by the model's parameters for as long as the block runs, so
+        torch's optimizer state-dict helpers (which match parameters by identity) see names."""
+        swap = {id(m): p for p, m in self._pairs}
+        back = {id(p): m for p, m in self._pairs}
+        self._rekey(swap)
+        try:
+            yield
+        finally:
+            self._rekey(back)
+
+    def _rekey(self, mapping: dict[int, torch.Tensor]) -> None:
+        opt = self.optimizer
+        for group in opt.param_groups:
+            group["params"] = [mapping.get(id(p), p) for p in group["params"]]
+        state = {}
+        for key, value in opt.state.items():
+            state[mapping.get(id(key), key)] = value
+        opt.state.clear()
+        opt.state.update(state)
+
+    def remove(self) -> None:
+        self._hook.remove()

@@ -1,0 +1,105 @@
+"""FiveDPrecision in multi-process training: bf16 mixed against fp32, each FP8 recipe against
+bf16 mixed from the same init and data, and FP8 composed with ZeRO-3 (FP8 all-gather), tp, ep,
+pp and cp against the same layout in bf16.
+
+Tolerances. bf16 rounds every activation to 8 bits of mantissa: over 5 steps of the tiny
+model its losses stay within 1 % of fp32 (measured ~0.1 %). FP8 adds ~4 % relative error per
+GEMM operand pair (E4M3: 3 mantissa bits); per step the loss moves by ~0.2 % against bf16
+(measured), so 1 % per step over 5 steps, and the issue's 2 % on the final loss after 50 steps.
+"""
+
+import pytest
+import torch
+
+from reference import reference_run
+from tests_support import run_layout
+
+RECIPES = ["tensorwise", "delayed", "rowwise", "blockwise", "mxfp8"]
+STEP_RTOL = 0.01
+FINAL_RTOL = 0.02
+
+
+def relative(a, b):
+    return (torch.tensor(a) - torch.tensor(b)).abs().max().item() / torch.tensor(b).abs().min().item()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_bf16_mixed_tracks_fp32(tmp_path, zero):
+    result, _ = run_layout(tmp_path, 2, zero, steps=5, precision="bf16-mixed", clip=0.5)
+    ref_losses, _ = reference_run(5, 2, 1, 0.5)
+    assert relative(result["losses"], ref_losses) < STEP_RTOL
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_each_fp8_recipe_ends_within_2_percent_of_bf16_after_50_steps(tmp_path):
+    def final(precision):
+        out = tmp_path / precision
+        out.mkdir()
+        result, _ = run_layout(out, 2, 1, steps=50, precision=precision)
+        return result["losses"]
+
+    bf16 = final("bf16-mixed")
+    for recipe in RECIPES:
+        fp8 = final(f"fp8-{recipe}")
+        rel = abs(fp8[-1] - bf16[-1]) / bf16[-1]
+        print(f"{recipe}: final loss {fp8[-1]:.4f} vs bf16 {bf16[-1]:.4f} ({rel:.3%})")
+        assert rel < FINAL_RTOL, (recipe, fp8[-1], bf16[-1])
+        assert fp8[-1] < 0.8 * fp8[0]  # it trained
+
+
+# (nproc, zero, recipe, extra script args): FP8 composed with each dim, against the same layout in bf16
+COMPOSED_FAST = [
+    (2, 3, "tensorwise", ("--fp8-all-gather",)),  # ZeRO-3 gathering FP8 weights
+    (2, 1, "blockwise", ("--tp", "2", "--clip", "0.5")),  # row-parallel GEMMs keep their FP8 matmul
+    (2, 1, "mxfp8", ("--model", "tiny_moe", "--ep", "2")),
+]
+COMPOSED_FULL = [
+    (4, 3, "tensorwise", ("--fp8-all-gather", "--tp", "2", "--sp")),
+    (4, 3, "tensorwise", ("--fp8-all-gather", "--model", "tiny_moe", "--ep", "2")),  # experts gather bf16
+    (2, 1, "delayed", ("--pp", "2", "--microbatches", "2")),
+    (2, 1, "rowwise", ("--cp", "2")),
+    (2, 2, "tensorwise", ("--accumulate", "2")),
+]
+
+
+def check_composed(tmp_path, nproc, zero, recipe, extra):
+    (tmp_path / "fp8").mkdir()
+    (tmp_path / "bf16").mkdir()
+    fp8, _ = run_layout(tmp_path / "fp8", nproc, zero, steps=5, precision=f"fp8-{recipe}", extra=extra)
+    bf16_extra = tuple(a for a in extra if a != "--fp8-all-gather")
+    bf16, _ = run_layout(tmp_path / "bf16", nproc, zero, steps=5, precision="bf16-mixed", extra=bf16_extra)
+    assert relative(fp8["losses"], bf16["losses"]) < STEP_RTOL, (fp8["losses"], bf16["losses"])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("nproc, zero, recipe, extra", COMPOSED_FAST)
+def test_fp8_composes_with_each_dim(tmp_path, nproc, zero, recipe, extra):
+    check_composed(tmp_path, nproc, zero, recipe, extra)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("nproc, zero, recipe, extra", COMPOSED_FULL)
+def test_fp8_composes_with_each_dim_full(tmp_path, nproc, zero, recipe, extra):
+    check_composed(tmp_path, nproc, zero, recipe, extra)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_numerics_guard_logs_the_bf16_loss_difference(tmp_path):
+    result, _ = run_layout(tmp_path, 2, 1, steps=5, precision="fp8-blockwise", extra=("--numerics-every", "2"))
+    logged = result["model_state_bytes"][0]["fp8_loss_rel_diff"]
+    # The check ran the step's forward again with FP8 off: training_step ran at steps 0, 2, 4 twice
+    # (bf16 first), so the recording model saw 8 losses; each pair is (bf16, fp8) of one step.
+    losses = result["losses"]
+    assert len(losses) == 8
+    pairs = [(losses[0], losses[1]), (losses[3], losses[4]), (losses[6], losses[7])]
+    for bf16, fp8 in pairs:
+        assert bf16 != fp8 and abs(fp8 - bf16) / bf16 < STEP_RTOL
+    assert 0 < logged < STEP_RTOL  # step 4's difference, averaged over the data ranks
