@@ -110,6 +110,7 @@ class FiveDPrecision(Precision):
         recipe: str | Fp8Recipe | None = None,
         *,
         reduce_dtype: str = "fp32",
+        accumulation_dtype: str = "bf16",
         fp8: Mapping[str, Any] | Fp8Config | None = None,
         numerics_check_every: int = 0,
         numerics_threshold: float = 0.0025,
@@ -118,6 +119,13 @@ class FiveDPrecision(Precision):
         if reduce_dtype not in REDUCE_DTYPES:
             raise PrecisionError(f"reduce_dtype={reduce_dtype!r} is not valid; choose one of {sorted(REDUCE_DTYPES)}.")
         self.reduce_dtype = REDUCE_DTYPES[reduce_dtype]
+        if accumulation_dtype not in REDUCE_DTYPES:
+            raise PrecisionError(
+                f"accumulation_dtype={accumulation_dtype!r} is not valid; choose one of {sorted(REDUCE_DTYPES)}."
+            )
+        # fp32: micro-batch gradients are reduced as they come and summed in the fp32 masters
+        # (the playbook's fp32 gradient accumulation), instead of summing in bf16 first.
+        self.fp32_accumulation = accumulation_dtype == "fp32"
         self.param_dtype = torch.bfloat16
         options = dict(fp8) if isinstance(fp8, Mapping) else ({} if fp8 is None else _as_dict(fp8))
         if recipe is not None:
@@ -160,7 +168,10 @@ class FiveDPrecision(Precision):
 
     def describe(self) -> str:
         if self.fp8 is None:
-            return f"bf16 mixed (fp32 master weights, {_dtype_name(self.reduce_dtype)} gradient reduction)"
+            return (
+                f"bf16 mixed (fp32 master weights, {_dtype_name(self.reduce_dtype)} gradient reduction, "
+                f"{'fp32' if self.fp32_accumulation else 'bf16'} accumulation)"
+            )
         f = self.fp8
         return f"fp8 {f.recipe.value} ({self.backend.value}) on {len(self.fp8_names)} linears, bf16 mixed otherwise" + (
             ", fp8 all-gather" if f.fp8_all_gather else ""
@@ -251,6 +262,12 @@ class FiveDPrecision(Precision):
                 if id(p) in names:
                     out[id(m)] = names[id(p)]
         return out
+
+    def after_backward(self) -> None:
+        """With fp32 accumulation, each micro-batch's gradients move into the fp32 masters now."""
+        if self.fp32_accumulation:
+            for masters in self._masters.values():
+                masters.move_grads()
 
     def refresh_masters(self) -> None:
         for masters in self._masters.values():

@@ -363,11 +363,22 @@ class FiveDStrategy(ParallelStrategy):
             # Expert gradients reduce over the ranks holding the same experts, the rest over dp x cp.
             is_expert, stage, mb = self._ep.is_expert, self.config.zero, self.config.bucket_size_mb
             rd = precision.reduce_dtype if precision is not None else None
+            fp32_acc = precision is not None and precision.fp32_accumulation
             experts = DataGroups.experts(self.mesh)
             self._zero = ZeroSet(
                 [
-                    ZeroDataParallel(module, self.mesh, stage, mb, rd, owns=lambda name: not is_expert(name)),
-                    ZeroDataParallel(module, self.mesh, stage, mb, rd, groups=experts, owns=is_expert),
+                    ZeroDataParallel(
+                        module,
+                        self.mesh,
+                        stage,
+                        mb,
+                        rd,
+                        owns=lambda n: not is_expert(n),
+                        accumulate_in_masters=fp32_acc,
+                    ),
+                    ZeroDataParallel(
+                        module, self.mesh, stage, mb, rd, groups=experts, owns=is_expert, accumulate_in_masters=fp32_acc
+                    ),
                 ]
             )
         elif self.mesh.size("dp_cp") > 1:
@@ -377,6 +388,7 @@ class FiveDStrategy(ParallelStrategy):
                 self.config.zero,
                 self.config.bucket_size_mb,
                 reduce_dtype=precision.reduce_dtype if precision is not None else None,
+                accumulate_in_masters=precision is not None and precision.fp32_accumulation,
             )
         # else: no data-parallel peers, nothing to reduce or shard: plain single-rank training.
 
@@ -394,6 +406,10 @@ class FiveDStrategy(ParallelStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Skip gradient reduction on micro-batches that only accumulate."""
+        precision = self._five_d_precision
+        if precision is not None and precision.fp32_accumulation:
+            yield  # every micro-batch is reduced and summed in fp32 (ZeRO-3: in FSDP2's fp32 shards)
+            return
         if self._zero is not None:
             self._zero.require_sync = False
         set_gradient_sync(self._fsdp_units, False)
@@ -425,6 +441,8 @@ class FiveDStrategy(ParallelStrategy):
     def post_backward(self, closure_loss: Tensor) -> None:
         if self._zero is not None:
             self._zero.finish_gradient_sync()
+        if self._five_d_precision is not None:
+            self._five_d_precision.after_backward()
         if self._tp is not None and self._fsdp_units and self._tp.sequence_parallel:
             if not self._in_backward_sync_block:  # FSDP2 reduced this step's gradients
                 self._tp.sync_sequence_parallel_grads(self.lightning_module)
@@ -480,6 +498,11 @@ class FiveDStrategy(ParallelStrategy):
         return self.precision_plugin.post_backward(closure_loss, module)
 
     def _check_precision_supported(self, precision: FiveDPrecision, pp: int, ep: int) -> None:
+        if precision.fp32_accumulation and pp > 1:
+            raise PrecisionError(
+                "accumulation_dtype='fp32' with pp > 1: the pipeline schedule sums its microbatches' gradients "
+                "itself (in bf16); use accumulation_dtype='bf16' with pp, or pp=1."
+            )
         if precision.guard.every and (pp > 1 or ep > 1):
             raise PrecisionError(
                 f"numerics_check_every={precision.guard.every} with pp={pp}, ep={ep}: the check runs the step's "

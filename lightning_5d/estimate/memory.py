@@ -59,7 +59,7 @@ def model_state_bytes(
     zero = ZeroStage(zero)
     param, grad, optimizer = bytes_per_param(Precision(precision), fp32_grad_accumulation)
     if StateAccounting(accounting) is StateAccounting.RUNTIME and param < 4:
-        return _runtime_mixed_state(psi, zero, nd, grad - 2)
+        return _runtime_mixed_state(psi, zero, nd, fp32_grad_accumulation)
     return ModelStateBytes(
         params=psi * param / (nd if zero >= ZeroStage.PARAMETERS else 1),
         grads=psi * grad / (nd if zero >= ZeroStage.GRADIENTS else 1),
@@ -67,17 +67,18 @@ def model_state_bytes(
     )
 
 
-def _runtime_mixed_state(psi: float, zero: ZeroStage, nd: int, accumulator: int) -> ModelStateBytes:
+def _runtime_mixed_state(psi: float, zero: ZeroStage, nd: int, fp32_accumulation: bool) -> ModelStateBytes:
     """bf16 weights with fp32 masters as FiveDStrategy holds them at the optimizer step (bytes/param):
     Z0 2 + 4 (fp32 master gradients; the bf16 ones are freed as they move) + 12; Z1 2 + (2 + 4/N) +
     12/N; Z2 2 + 4/N + 12/N; Z3 (FSDP2, fp32 shards cast to bf16 per all-gather) 4/N + 4/N + 8/N.
-    ``accumulator``: bytes of a separate fp32 accumulation buffer, kept whole until Z2."""
-    extra = accumulator / (nd if zero >= ZeroStage.GRADIENTS else 1)
+    fp32 accumulation keeps no extra buffer: each micro-batch is reduced into the fp32 master
+    gradients as it comes (more communication instead), which frees ZeRO-1's full bf16 gradient."""
     if zero is ZeroStage.PARAMETERS:
-        return ModelStateBytes(params=4 * psi / nd, grads=4 * psi / nd + psi * extra, optimizer=8 * psi / nd)
-    grads = {ZeroStage.NONE: 4.0, ZeroStage.OPTIMIZER: 2 + 4 / nd, ZeroStage.GRADIENTS: 4 / nd}[zero]
+        return ModelStateBytes(params=4 * psi / nd, grads=4 * psi / nd, optimizer=8 * psi / nd)
+    bf16_grads = 2 if zero is ZeroStage.OPTIMIZER and not fp32_accumulation else 0
+    grads = {ZeroStage.NONE: 4.0, ZeroStage.OPTIMIZER: bf16_grads + 4 / nd, ZeroStage.GRADIENTS: 4 / nd}[zero]
     optimizer = 12 / (nd if zero >= ZeroStage.OPTIMIZER else 1)
-    return ModelStateBytes(params=2 * psi, grads=psi * (grads + extra), optimizer=psi * optimizer)
+    return ModelStateBytes(params=2 * psi, grads=psi * grads, optimizer=psi * optimizer)
 
 
 def rank_model_state_bytes(spec: ModelSpec, setup: TrainingSetup, rank: RankParams) -> ModelStateBytes:

@@ -131,11 +131,15 @@ class ZeroDataParallel:
         reduce_dtype: torch.dtype | None = None,
         groups: DataGroups | None = None,
         owns: Callable[[str], bool] | None = None,
+        accumulate_in_masters: bool = False,
     ) -> None:
         if stage == ZeroStage.PARAMETERS:
             raise ValueError("stage 3 shards parameters: use apply_fsdp")
         self.stage = ZeroStage(stage)
         self._reduce_dtype = reduce_dtype  # None: the master dtype of each bucket
+        # fp32 gradient accumulation for bf16 parameters: every micro-batch is reduced into the
+        # fp32 master slices and its bf16 gradient freed, as stage 2 always does.
+        self.accumulate_in_masters = accumulate_in_masters
         self.require_sync = True
         self.active = True  # False between a Trainer's teardown and the next setup
         self.paused = False  # True while a pipeline schedule runs its many backwards
@@ -209,7 +213,8 @@ class ZeroDataParallel:
     @property
     def _syncing(self) -> bool:
         # Stage 2 frees full gradients as it goes, so it must reduce on every micro-batch.
-        return self.active and not self.paused and (self.require_sync or self.stage == ZeroStage.GRADIENTS)
+        every_microbatch = self.stage == ZeroStage.GRADIENTS or self.accumulate_in_masters
+        return self.active and not self.paused and (self.require_sync or every_microbatch)
 
     def start_backward(self) -> None:
         """Before each backward run by the strategy."""
@@ -301,7 +306,7 @@ class ZeroDataParallel:
         send = torch.empty(self._shard_size, bucket.width, dtype=dtype, device=device)
         for s in bucket.shards:
             _fill_rank_major(send[:, s.offset : s.offset + s.chunk], s.param.grad if s.used else None)
-            if self.stage == ZeroStage.GRADIENTS:
+            if self.stage == ZeroStage.GRADIENTS or self.accumulate_in_masters:
                 s.param.grad = None  # the whole point of stage 2
         send.mul_(scale)
         out = torch.empty(bucket.width, dtype=dtype, device=device)

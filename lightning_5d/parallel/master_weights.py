@@ -42,12 +42,16 @@ class MasterWeights:
         return self._param_of.get(id(p), p)
 
     def move_grads(self) -> None:
+        """Add each bf16 gradient into its master's fp32 one and free it. Once per step, or after
+        every micro-batch's backward for fp32 accumulation (``zero_grad`` clears the masters)."""
         for p, master in self._pairs:
             if p.grad is None:
-                master.grad = None
-            else:
+                continue
+            if master.grad is None:
                 master.grad = p.grad.float()
-                p.grad = None
+            else:
+                master.grad.add_(p.grad)
+            p.grad = None
 
     @torch.no_grad()
     def copy_to_model(self) -> None:

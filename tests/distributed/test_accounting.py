@@ -90,20 +90,23 @@ def test_bf16_parameters_keep_fp32_master_slices(tmp_path, zero):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_bf16_mixed_bytes_match_the_planner(tmp_path, zero):
+@pytest.mark.parametrize("zero, fp32_accumulation", [(0, False), (1, False), (2, False), (3, False), (1, True)])
+def test_bf16_mixed_bytes_match_the_planner(tmp_path, zero, fp32_accumulation):
     """precision='bf16-mixed' (FiveDPrecision): bf16 weights and gradients, fp32 masters where the
     ZeRO stage puts them; the planner's runtime accounting must describe each term."""
     model = RecordingLM(config=TINY)
     psi = sum(p.numel() for p in model.parameters())
-    setup = dict(dp_shard=2, zero=zero, precision="bf16-mixed", seq_len=SEQ_LEN, micro_batch_size=BATCH_SIZE)
+    setup = dict(dp_shard=2, zero=zero, precision="bf16-mixed", seq_len=SEQ_LEN, micro_batch_size=BATCH_SIZE,
+                 fp32_grad_accumulation=fp32_accumulation)  # fmt: skip
     predicted = estimate(spec_from_module(model), **setup).memory
     paper = estimate(spec_from_module(model), **setup, state_accounting="paper").memory
-    result, _ = run_layout(tmp_path, 2, zero, steps=2, precision="bf16-mixed")
-    # The paper leaves out the fp32 gradient the master steps with; ZeRO-3 (FSDP2) totals agree.
-    extra = {0: 2 * psi, 1: 4 * psi / 2, 2: 2 * psi / 2, 3: 0}[zero]
-    state = lambda m: m.params + m.grads + m.optimizer  # noqa: E731
-    assert state(predicted) - state(paper) == pytest.approx(extra)
+    extra = ("--accumulation-dtype", "fp32") if fp32_accumulation else ()
+    result, _ = run_layout(tmp_path, 2, zero, accumulate=2, steps=2, precision="bf16-mixed", extra=extra)
+    if not fp32_accumulation:
+        # The paper leaves out the fp32 gradient the master steps with; ZeRO-3 (FSDP2) totals agree.
+        delta = {0: 2 * psi, 1: 4 * psi / 2, 2: 2 * psi / 2, 3: 0}[zero]
+        state = lambda m: m.params + m.grads + m.optimizer  # noqa: E731
+        assert state(predicted) - state(paper) == pytest.approx(delta)
     for rank, measured in enumerate(result["model_state_bytes"]):
         for kind in ("params", "grads", "optimizer"):
             planned = getattr(predicted, kind)

@@ -33,6 +33,16 @@ def test_bf16_mixed_tracks_fp32(tmp_path, zero):
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_fp32_accumulation_tracks_fp32(tmp_path, zero):
+    extra = ("--accumulation-dtype", "fp32")
+    result, _ = run_layout(tmp_path, 2, zero, accumulate=2, steps=4, precision="bf16-mixed", clip=0.5, extra=extra)
+    ref_losses, _ = reference_run(4, 2, 2, 0.5)
+    assert relative(result["losses"], ref_losses) < STEP_RTOL
+
+
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_each_fp8_recipe_ends_within_2_percent_of_bf16_after_50_steps(tmp_path):

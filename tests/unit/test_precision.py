@@ -33,6 +33,7 @@ def test_strings_name_the_mode_and_recipe():
         (lambda: FiveDPrecision("fp8", fp8={"scaling": 1}), r"unknown fp8 options \['scaling'\]"),
         (lambda: FiveDPrecision("bf16-mixed", reduce_dtype="fp16"), r"reduce_dtype='fp16' is not valid"),
         (lambda: FiveDPrecision("fp8", numerics_check_every=-1), "need every >= 0"),
+        (lambda: FiveDPrecision("bf16-mixed", accumulation_dtype="fp64"), r"accumulation_dtype='fp64' is not valid"),
         (lambda: FiveDPrecision("fp8", fp8={"amax_history_len": 0}), "amax_history_len=0 must be at least 1"),
     ],
 )

@@ -44,6 +44,7 @@ parser.add_argument("--precision", default="32-true", help="a Lightning precisio
 parser.add_argument("--fp8-all-gather", action="store_true")
 parser.add_argument("--numerics-every", type=int, default=0)
 parser.add_argument("--reduce-dtype", default="fp32")
+parser.add_argument("--accumulation-dtype", default="bf16")
 parser.add_argument("--num-samples", type=int, default=None)
 parser.add_argument("--max-epochs", type=int, default=None, help="train whole epochs instead of --steps")
 parser.add_argument("--save", action="store_true", help="ModelCheckpoint: epoch=N.ckpt in --out at each epoch end")
@@ -98,6 +99,8 @@ else:
         activation_checkpointing=args.ac,
         bucket_size_mb=0.05,
     )
+
+
 class RecordLogged(L.Callback):
     """Under pp the step runs once per microbatch on the last stage only: record what every rank logged."""
 
@@ -114,10 +117,11 @@ callbacks = [measure, logged_losses]
 if args.save:
     callbacks.append(ModelCheckpoint(dirpath=args.out, filename="{epoch}", save_top_k=-1, save_on_train_epoch_end=True))
 precision, plugins = args.precision, []
-if args.precision.startswith("fp8") or args.reduce_dtype != "fp32":
+if args.precision.startswith("fp8") or args.reduce_dtype != "fp32" or args.accumulation_dtype != "bf16":
     fp8 = {"fp8": {"fp8_all_gather": True}} if args.fp8_all_gather else {}
     guard = {"numerics_check_every": args.numerics_every} if args.numerics_every else {}
-    plugin = lightning_5d.FiveDPrecision.from_string(args.precision, reduce_dtype=args.reduce_dtype, **fp8, **guard)
+    dtypes = {"reduce_dtype": args.reduce_dtype, "accumulation_dtype": args.accumulation_dtype}
+    plugin = lightning_5d.FiveDPrecision.from_string(args.precision, **dtypes, **fp8, **guard)
     precision, plugins = None, [plugin]
 trainer = L.Trainer(
     accelerator="cpu",

@@ -35,6 +35,14 @@ def test_runtime_accounting_adds_the_fp32_gradient_the_master_steps_with():
     assert (fp32.params, fp32.grads, fp32.optimizer) == (4 * psi, 4 * psi, 8 * psi)  # no separate master
 
 
+def test_runtime_fp32_accumulation_reduces_every_microbatch_into_the_masters():
+    psi = count_params(L8B).total
+    m = estimate(L8B, dp_shard=8, zero=1, seq_len=1024, fp32_grad_accumulation=True).memory
+    assert m.grads == pytest.approx(4 * psi / 8)  # no full bf16 gradient kept between micro-batches
+    z0 = estimate(L8B, seq_len=1024, zero=0, fp32_grad_accumulation=True).memory
+    assert z0.grads == 4 * psi  # no accumulator beside the masters' fp32 gradients
+
+
 @pytest.mark.parametrize("zero, per_param", [(0, (2, 4, 12)), (1, (2, 2 + 4 / 8, 12 / 8)), (2, (2, 4 / 8, 12 / 8)),
                                              (3, (4 / 8, 4 / 8, 8 / 8))])  # fmt: skip
 def test_runtime_accounting_per_zero_stage(zero, per_param):

@@ -39,6 +39,7 @@ def test_small_updates_accumulate_in_the_master_not_lost_to_bf16_rounding():
         p.grad = torch.full((1,), 1e-4, dtype=torch.bfloat16)
         masters.move_grads()
         opt.step()
+        opt.zero_grad()  # as Lightning does after each step: the masters' gradients start over
     # 1 - 100 * g, g = 1e-4 as bf16 holds it; stepping bf16 directly would stay at 1.0 (g < bf16's ulp at 1).
     g = torch.tensor(1e-4, dtype=torch.bfloat16).item()
     assert opt.param_groups[0]["params"][0].item() == pytest.approx(1 - 100 * g, abs=1e-6)
@@ -87,3 +88,18 @@ def test_refuses_an_optimizer_that_already_stepped():
     opt.step()
     with pytest.raises(RuntimeError, match="before the optimizer's first step"):
         MasterWeights(opt)
+
+
+def test_moving_after_every_micro_batch_sums_in_fp32():
+    # bf16 holds 256 with an ulp of 2: adding 1.0 a hundred times in bf16 stays at 256.
+    p = nn.Parameter(torch.zeros(1, dtype=torch.bfloat16))
+    opt = torch.optim.SGD([p], lr=1.0)
+    masters = MasterWeights(opt)
+    for g in [256.0] + [1.0] * 100:
+        p.grad = torch.full((1,), g, dtype=torch.bfloat16)
+        masters.move_grads()
+    assert opt.param_groups[0]["params"][0].grad.item() == 356.0
+    bf16_sum = torch.zeros(1, dtype=torch.bfloat16)
+    for g in [256.0] + [1.0] * 100:
+        bf16_sum += g
+    assert bf16_sum.item() == 256.0
