@@ -150,6 +150,9 @@ class FiveDPrecision(Precision):
         self.attached = False  # set by FiveDStrategy; other strategies would not place masters
         self.fp8_names: list[str] = []
         self._te_recipe = None
+        self._amax_group = None
+        self._backend: Fp8Backend | None = None
+        self._fp8_root: nn.Module | None = None
         self._fp8_suspended = False
         self._masters: dict[int, MasterWeights] = {}
 
@@ -189,12 +192,47 @@ class FiveDPrecision(Precision):
 
     @property
     def backend(self) -> Fp8Backend:
+        """The backend in use (``auto`` is resolved when the strategy applies FP8)."""
         assert self.fp8 is not None
-        if self.fp8.backend != Fp8Backend.AUTO:
-            return self.fp8.backend
-        from lightning_5d.fp8.te_backend import te_available
+        return self._backend or self.fp8.backend
 
-        return Fp8Backend.TRANSFORMER_ENGINE if te_available() else Fp8Backend.TORCH
+    def _te_blockers(self, layout: Mapping[str, int], activation_checkpointing: bool) -> list[str]:
+        """Why Transformer Engine cannot take this run (empty: it can)."""
+        assert self.fp8 is not None
+        # Our tp cuts nn.Linear weights, and TE keeps its own; its delayed-scaling amax reduction and
+        # activation-checkpoint recompute need TE's own pipeline/expert/checkpoint plumbing.
+        blockers = [f"{dim}={size}" for dim, size in layout.items() if size > 1]
+        if activation_checkpointing:
+            blockers.append("activation checkpointing")
+        if self.fp8.fp8_all_gather:
+            blockers.append("fp8_all_gather")
+        if self.fp8.recipe == Fp8Recipe.ROWWISE:
+            blockers.append("recipe=rowwise (no Transformer Engine recipe)")
+        return blockers
+
+    def _choose_backend(self, layout: Mapping[str, int], activation_checkpointing: bool) -> Fp8Backend:
+        from lightning_5d.fp8 import te_backend
+
+        assert self.fp8 is not None
+        blockers = self._te_blockers(layout, activation_checkpointing)
+        if self.fp8.backend == Fp8Backend.TORCH:
+            return Fp8Backend.TORCH
+        if self.fp8.backend == Fp8Backend.TRANSFORMER_ENGINE:
+            if blockers:
+                raise PrecisionError(
+                    f"fp8.backend=transformer_engine cannot run with {', '.join(blockers)} here; use "
+                    f"fp8.backend=torch (or auto), which composes with every dimension."
+                )
+            te_backend.require_transformer_engine()
+            te_backend.check_recipe_supported(self.fp8.recipe)
+            return Fp8Backend.TRANSFORMER_ENGINE
+        if blockers or not te_backend.te_available():
+            return Fp8Backend.TORCH
+        try:  # auto: a recipe this GPU or TE build lacks falls back to our own scaling
+            te_backend.check_recipe_supported(self.fp8.recipe)
+        except (te_backend.UnsupportedFp8Recipe, te_backend.TransformerEngineMissing):
+            return Fp8Backend.TORCH
+        return Fp8Backend.TRANSFORMER_ENGINE
 
     def fp8_targets(self, plan, module: nn.Module) -> list[str]:
         """Dotted paths of the nn.Linear modules that compute in FP8, from the model plan."""
@@ -203,22 +241,29 @@ class FiveDPrecision(Precision):
         assert self.fp8 is not None
         return fp8_targets(plan, module, self.fp8.keep_head_bf16, self.fp8.keep_router_bf16)
 
-    def apply_fp8(self, module: nn.Module, plan, tp: int) -> list[str]:
-        """Swap the planned linears for FP8 ones (the first step of the design's data path)."""
+    def apply_fp8(
+        self,
+        module: nn.Module,
+        plan,
+        layout: Mapping[str, int],
+        activation_checkpointing: bool = False,
+        amax_group=None,
+    ) -> list[str]:
+        """Swap the planned linears for FP8 ones (the first step of the design's data path).
+
+        ``layout``: the sizes of tp, pp and ep (Transformer Engine takes none of them here);
+        ``amax_group``: the data/context-parallel ranks TE's delayed scaling reduces amaxes over.
+        """
         assert self.fp8 is not None
         names = self.fp8_targets(plan, module)
-        if self.backend == Fp8Backend.TRANSFORMER_ENGINE:
+        self._backend = self._choose_backend(layout, activation_checkpointing)
+        self._fp8_root = module
+        if self._backend == Fp8Backend.TRANSFORMER_ENGINE:
             from lightning_5d.fp8 import te_backend
 
-            if tp > 1:
-                raise PrecisionError(
-                    "fp8 backend=transformer_engine with tp > 1: our tensor parallelism cuts nn.Linear weights "
-                    "and Transformer Engine's Linear keeps its own; use fp8.backend=torch with tp, or tp=1."
-                )
-            te_backend.require_transformer_engine()
-            te_backend.check_recipe_supported(self.fp8.recipe)
             self._te_recipe = te_backend.te_recipe(self.fp8.recipe, amax_history_len=self.fp8.amax_history_len)
-            self.fp8_names = te_backend.convert_to_te(module, names)
+            self._amax_group = amax_group
+            self.fp8_names = te_backend.convert_to_te(module, names, self.fp8.recipe)
         else:
             from lightning_5d.fp8.convert import convert_to_fp8
 
@@ -263,9 +308,10 @@ class FiveDPrecision(Precision):
                     out[id(m)] = names[id(p)]
         return out
 
-    def after_backward(self) -> None:
-        """With fp32 accumulation, each micro-batch's gradients move into the fp32 masters now."""
-        if self.fp32_accumulation:
+    def after_backward(self, automatic_optimization: bool = True) -> None:
+        """With fp32 accumulation, each micro-batch's gradients move into the fp32 masters now; under
+        manual optimization too, so that ``self.clip_gradients`` before ``opt.step()`` sees them."""
+        if self.fp32_accumulation or not automatic_optimization:
             for masters in self._masters.values():
                 masters.move_grads()
 
@@ -282,7 +328,27 @@ class FiveDPrecision(Precision):
         return result
 
     def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
-        return optimizer.step(closure=partial(self._wrap_closure, model, optimizer, closure), **kwargs)
+        out = optimizer.step(closure=partial(self._wrap_closure, model, optimizer, closure), **kwargs)
+        if self._fp8_root is not None and self.backend == Fp8Backend.TORCH:
+            from lightning_5d.fp8.convert import advance_fp8_histories
+
+            advance_fp8_histories(self._fp8_root)  # delayed scaling: the step's amaxes enter the histories
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Delayed-scaling histories (this rank's), so a resumed run scales its first step as before."""
+        if self._fp8_root is None or self.backend != Fp8Backend.TORCH:
+            return {}
+        from lightning_5d.fp8.convert import fp8_scaling_state
+
+        state = fp8_scaling_state(self._fp8_root)
+        return {"fp8_amax_history": state} if state else {}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        if self._fp8_root is not None and "fp8_amax_history" in state_dict:
+            from lightning_5d.fp8.convert import load_fp8_scaling_state
+
+            load_fp8_scaling_state(self._fp8_root, state_dict["fp8_amax_history"])
 
     # ------------------------------------------------------------------ forward
     @contextmanager
@@ -292,7 +358,7 @@ class FiveDPrecision(Precision):
             if self._te_recipe is not None and not self._fp8_suspended:
                 from lightning_5d.fp8.te_backend import te_autocast
 
-                stack.enter_context(te_autocast(self._te_recipe))
+                stack.enter_context(te_autocast(self._te_recipe, amax_reduction_group=self._amax_group))
             yield
 
     @contextmanager
@@ -320,9 +386,9 @@ class FiveDPrecision(Precision):
         return rel
 
     def teardown(self) -> None:
-        for masters in self._masters.values():
-            masters.remove()
-        self._masters.clear()
+        # The masters stay: the optimizer still holds them, and a checkpoint saved after fit
+        # returns must name them. A new setup makes new optimizers and so new masters.
+        pass
 
 
 def _as_dict(config: Fp8Config) -> dict[str, Any]:

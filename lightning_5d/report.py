@@ -144,10 +144,15 @@ class RunReport(Callback):
         prev = self._history[-1]["step"] if self._history else 0
         tps = self._tokens_per_s(trainer, int(prev), self._step)
         self._history.append({"step": self._step, "loss": loss, "tokens_per_s": tps})
+        # The FP8 numerics guard's latest check (FiveDPrecision numerics_check_every), already a dp mean.
+        guard = trainer.callback_metrics.get("fp8/loss_rel_diff")
+        if guard is not None:
+            self._history[-1]["fp8_loss_rel_diff"] = float(guard)
         if trainer.global_rank == 0:
             total = f"/{trainer.max_steps}" if trainer.max_steps and trainer.max_steps > 0 else ""
             rate = f"{tps:,.0f}" if tps is not None else "-"
-            print(f"[l5d] step {self._step}{total}  loss {loss:.4f}  tokens/s {rate}", flush=True)
+            check = f"  fp8 vs bf16 loss {float(guard):.3%}" if guard is not None else ""
+            print(f"[l5d] step {self._step}{total}  loss {loss:.4f}  tokens/s {rate}{check}", flush=True)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         # Model state peaks here (gradients complete, optimizer states allocated): the moment

@@ -123,6 +123,7 @@ class FiveDStrategy(ParallelStrategy):
         self._pp_loop: PipelineLoop | None = None
         self._ep: ExpertParallel | None = None
         self._in_backward_sync_block = False
+        self._parallelized: torch.nn.Module | None = None
         self.num_nodes = 1
 
     @property
@@ -281,6 +282,7 @@ class FiveDStrategy(ParallelStrategy):
             if precision is not None:  # bf16 parameters the optimizer still holds get fp32 masters
                 for optimizer in self.optimizers:
                     precision.add_master_weights(optimizer)
+                self._check_manual_optimizers(precision)
         self.setup_precision_plugin()
         if self._tp is not None or self._pp is not None or self._ep is not None:
             # Lightning's clipping sees only this rank's pieces; ours takes the global norm.
@@ -304,6 +306,9 @@ class FiveDStrategy(ParallelStrategy):
             return
         if self._fsdp_units:
             return
+        if self._parallelized is module:
+            return  # fit after validate without data-parallel peers: the dims are applied already
+        self._parallelized = module
         precision = self._five_d_precision
         fp8 = precision is not None and precision.fp8 is not None
         if precision is not None and self.config.zero != ZeroStage.PARAMETERS:
@@ -326,7 +331,8 @@ class FiveDStrategy(ParallelStrategy):
         if plan is not None:
             rank_zero_info(f"[lightning_5d] model plan:\n{describe(plan)}")
         if fp8:
-            precision.apply_fp8(module, plan, tp)
+            ac = self.config.activation_checkpointing != ActivationCheckpointing.NONE
+            precision.apply_fp8(module, plan, {"tp": tp, "pp": pp, "ep": ep}, ac, self.mesh.group("dp_cp"))
         if precision is not None:
             rank_zero_info(f"[lightning_5d] precision: {precision.describe()}")
         if tp > 1:
@@ -442,7 +448,7 @@ class FiveDStrategy(ParallelStrategy):
         if self._zero is not None:
             self._zero.finish_gradient_sync()
         if self._five_d_precision is not None:
-            self._five_d_precision.after_backward()
+            self._five_d_precision.after_backward(self.lightning_module.automatic_optimization)
         if self._tp is not None and self._fsdp_units and self._tp.sequence_parallel:
             if not self._in_backward_sync_block:  # FSDP2 reduced this step's gradients
                 self._tp.sync_sequence_parallel_grads(self.lightning_module)
@@ -497,17 +503,30 @@ class FiveDStrategy(ParallelStrategy):
             self._zero.finish_gradient_sync()  # no hook fired during the schedule: reduce all of them now
         return self.precision_plugin.post_backward(closure_loss, module)
 
+    def _check_manual_optimizers(self, precision: FiveDPrecision) -> None:
+        held = [o for o in self.optimizers if precision.masters_of(o) is not None]
+        if len(self.optimizers) > 1 and held and not self.lightning_module.automatic_optimization:
+            raise PrecisionError(
+                f"manual optimization with {len(self.optimizers)} optimizers under bf16 mixed precision at "
+                f"zero={int(self.config.zero)}: toggle_optimizer switches requires_grad on the fp32 masters, not "
+                f"on the bf16 parameters the model computes with, so one optimizer's backward would leave "
+                f"gradients for the other. Use zero=1, 2 or 3 (their masters are the sharded parameters), or "
+                f"precision='32-true'."
+            )
+
     def _check_precision_supported(self, precision: FiveDPrecision, pp: int, ep: int) -> None:
         if precision.fp32_accumulation and pp > 1:
             raise PrecisionError(
                 "accumulation_dtype='fp32' with pp > 1: the pipeline schedule sums its microbatches' gradients "
                 "itself (in bf16); use accumulation_dtype='bf16' with pp, or pp=1."
             )
-        if precision.guard.every and (pp > 1 or ep > 1):
+        experts = ep > 1 or self.config.expert.wants_dispatch
+        if precision.guard.every and (pp > 1 or experts):
             raise PrecisionError(
                 f"numerics_check_every={precision.guard.every} with pp={pp}, ep={ep}: the check runs the step's "
-                f"forward a second time, which a pipeline schedule and the expert all-to-all do not allow yet; "
-                f"set numerics_check_every=0 there, or check on a pp=1, ep=1 layout."
+                f"forward a second time, which a pipeline schedule does not allow and which would count the "
+                f"expert load twice; set numerics_check_every=0 there, or check on a pp=1 layout without "
+                f"expert dispatch."
             )
         if precision.fp8 is not None and precision.fp8.fp8_all_gather and self.config.zero != ZeroStage.PARAMETERS:
             raise PrecisionError(
@@ -553,8 +572,9 @@ class FiveDStrategy(ParallelStrategy):
         # optimization runs its backward(s) inside the step.
         automatic = self.lightning_module.automatic_optimization
         precision = self._five_d_precision
+        trainer = self.lightning_module.trainer
         guard = precision is not None and precision.fp8 is not None and automatic
-        guard = guard and precision.guard.due(self.lightning_module.trainer.global_step)
+        guard = guard and precision.guard.due(trainer.global_step) and _first_micro_batch(trainer)
         # The check's forward runs first: under cp the real step's shard must stay active until its backward.
         reference = self._forward_without_fp8(args, kwargs) if guard else None
         out = self._run_step(super().training_step, args, kwargs, keep_shard=automatic)
@@ -567,8 +587,10 @@ class FiveDStrategy(ParallelStrategy):
         assert precision is not None
         quiet = lambda *a, **k: None  # noqa: E731  (the check must not log the user's metrics twice)
         module.log, module.log_dict = quiet, quiet
+        devices = [self.root_device] if self.root_device.type == "cuda" else []
         try:
-            with torch.no_grad(), precision.fp8_off():
+            # The same random state as the real step: dropout masks match, and training's stream is untouched.
+            with torch.random.fork_rng(devices=devices), torch.no_grad(), precision.fp8_off():
                 out = self._run_step(super().training_step, args, kwargs)
         finally:
             del module.log, module.log_dict
@@ -767,3 +789,8 @@ def _step_loss(out: Any) -> Tensor | None:
     if isinstance(out, Mapping) and isinstance(out.get("loss"), Tensor):
         return out["loss"]
     return None
+
+
+def _first_micro_batch(trainer) -> bool:
+    """Whether this batch opens an optimizer step (the numerics check runs once per step)."""
+    return (trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1) % trainer.accumulate_grad_batches == 0

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+import torch
 from torch import nn
 
+from lightning_5d.fp8.delayed import amax_histories
 from lightning_5d.fp8.linear import Fp8Linear
 from lightning_5d.fp8.recipes import Fp8Recipe
 
@@ -55,3 +57,31 @@ def convert_to_fp8(root: nn.Module, names: Iterable[str], recipe: Fp8Recipe | st
 def fp8_linears(root: nn.Module) -> dict[str, Fp8Linear]:
     """Every Fp8Linear under ``root`` by its dotted path."""
     return {name: m for name, m in root.named_modules() if isinstance(m, Fp8Linear)}
+
+
+def advance_fp8_histories(root: nn.Module) -> None:
+    """After an optimizer step: every delayed-scaling Fp8Linear under ``root`` takes in the step's amaxes."""
+    for module in fp8_linears(root).values():
+        module.advance_history()
+
+
+def fp8_scaling_state(root: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+    """The delayed-scaling histories under ``root`` by module path (empty for the other recipes);
+    kept out of the modules' state_dict so the weights load into the model without FP8 too."""
+    return {
+        name: {role: h.detach().clone() for role, h in amax_histories(m).items()}
+        for name, m in fp8_linears(root).items()
+        if amax_histories(m)
+    }
+
+
+def load_fp8_scaling_state(root: nn.Module, state: dict[str, dict[str, torch.Tensor]]) -> None:
+    modules = fp8_linears(root)
+    for name, histories in state.items():
+        module = modules.get(name)
+        if module is None:
+            continue  # saved under another layout or recipe: that module starts a fresh history
+        own = amax_histories(module)
+        for role, value in histories.items():
+            if role in own and own[role].shape == value.shape:
+                own[role].copy_(value)

@@ -5,10 +5,14 @@ the largest amax seen over the last ``history_len`` steps instead of the tensor'
 that removes a reduction (and its synchronization) from the critical path before the cast; the price
 is that a value larger than anything in the history saturates at the format's max.
 
-Each Fp8Linear keeps one history per GEMM operand role (input, weight, grad_output) as a registered
-buffer, so the histories follow the module across devices and are saved in its ``state_dict``: a
-resumed run must quantize its first step exactly as the uninterrupted run would have, which needs the
-history, not a fresh one.
+Each Fp8Linear keeps one history per GEMM operand role (input, weight, grad_output) as a buffer,
+so the histories follow the module across devices. They advance once per optimizer step, not per
+forward: every forward and backward of a step (its micro-batches, pipeline stages in flight, and
+the activation-checkpoint recompute, which must quantize exactly as the forward did) scales from
+the same history, and the step's largest amax per role waits in a pending buffer until
+``advance_amax_histories`` pushes it. The buffers are not in the module's ``state_dict`` (a
+checkpoint of an FP8 run must load into the same model in bf16); ``FiveDPrecision.state_dict``
+carries them instead, so a resumed run scales its first step as the uninterrupted run would.
 
 Everything here stays on the device as tensors (no ``.item()``), so updating a history never
 synchronizes with the host.
@@ -29,13 +33,23 @@ def history_buffer_name(role: str) -> str:
     return f"amax_history_{role}"
 
 
+def pending_buffer_name(role: str) -> str:
+    return f"{history_buffer_name(role)}_pending"
+
+
 def register_amax_histories(module: nn.Module, history_len: int, device: torch.device | None = None) -> None:
-    """Give ``module`` one zeroed fp32 history of ``history_len`` entries per role (persistent buffers)."""
+    """Give ``module`` one zeroed fp32 history of ``history_len`` entries per role, and the pending
+    amax of the current step (non-persistent buffers, see the module docstring)."""
     if int(history_len) < 1:
         raise ValueError(f"amax_history_len must be at least 1, got {history_len}")
     for role in ROLES:
         module.register_buffer(
-            history_buffer_name(role), torch.zeros(int(history_len), dtype=torch.float32, device=device)
+            history_buffer_name(role),
+            torch.zeros(int(history_len), dtype=torch.float32, device=device),
+            persistent=False,
+        )
+        module.register_buffer(
+            pending_buffer_name(role), torch.zeros((), dtype=torch.float32, device=device), persistent=False
         )
 
 
@@ -62,3 +76,21 @@ def push_amax(history: Tensor, amax: Tensor) -> None:
     with torch.no_grad():
         history.copy_(torch.roll(history, 1))
         history[0] = amax.detach().to(history.dtype)
+
+
+def record_amax(module: nn.Module, role: str, amax: Tensor) -> None:
+    """Keep the largest amax of ``role`` seen during this optimizer step (pushed at its end)."""
+    pending = getattr(module, pending_buffer_name(role))
+    with torch.no_grad():
+        torch.maximum(pending, amax.detach().to(pending.dtype), out=pending)
+
+
+def advance_amax_histories(module: nn.Module) -> None:
+    """End of an optimizer step: push each role's pending amax into its history and restart it.
+    A role that recorded nothing this step (eval only, or the module did not run) is left alone."""
+    for role, history in amax_histories(module).items():
+        pending = getattr(module, pending_buffer_name(role))
+        with torch.no_grad():
+            pushed = torch.cat([pending.reshape(1), history[:-1]])
+            history.copy_(torch.where(pending > 0, pushed, history))
+            pending.zero_()

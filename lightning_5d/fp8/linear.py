@@ -41,8 +41,9 @@ from torch import Tensor, nn
 
 from lightning_5d.fp8.delayed import (
     DEFAULT_AMAX_HISTORY_LEN,
+    advance_amax_histories,
     amax_histories,
-    push_amax,
+    record_amax,
     register_amax_histories,
     scaling_amax,
 )
@@ -166,6 +167,7 @@ class _GemmSettings:
     use_scaled_mm: bool
     histories: dict[str, Tensor]  # delayed only: role -> amax history buffer (module-owned)
     update_history: bool
+    module: nn.Module | None = None  # delayed only: where this step's pending amaxes are kept
 
 
 def _per_tensor(recipe: Fp8Recipe) -> bool:
@@ -179,10 +181,9 @@ def _tensor_amax(t: Tensor, role: str, s: _GemmSettings, push: bool) -> Tensor |
     current = _amax(t)
     if s.recipe is not Fp8Recipe.DELAYED:
         return current
-    history = s.histories[role]
-    amax = scaling_amax(history, current)
+    amax = scaling_amax(s.histories[role], current)
     if push:
-        push_amax(history, current)
+        record_amax(s.module, role, current)
     return amax
 
 
@@ -246,11 +247,11 @@ class Fp8Linear(nn.Linear):
     Options: ``amax_history_len`` (delayed recipe; default 16) and ``use_scaled_mm`` (default True:
     use ``torch._scaled_mm`` where it applies; False always emulates, for comparisons).
 
-    Delayed histories are updated by every forward in training mode (input, weight) and by the
-    matching backward (grad_output); not in eval mode, so that validation does not change the
-    scaling state of the training run, and not under :func:`fp8_disabled`. Activation checkpointing
-    recomputes the forward and so pushes the input/weight amaxes a second time; that only ages the
-    history faster (the values pushed are the same step's).
+    Delayed scaling: every forward in training mode (input, weight) and the matching backward
+    (grad_output) records its amax as pending; :meth:`advance_history` (``FiveDPrecision`` calls it
+    after each optimizer step) pushes the step's largest into the history. Within a step the scale
+    therefore never changes, so an activation-checkpoint recompute quantizes as its forward did.
+    Eval mode and :func:`fp8_disabled` record nothing.
     """
 
     def __init__(
@@ -316,10 +317,14 @@ class Fp8Linear(nn.Linear):
             raise ValueError(f"Fp8Linear: input has {x.shape[-1]} features but the weight is {tuple(weight.shape)}")
         device_type = x.device.type
         out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-        settings = _GemmSettings(self.recipe, self.use_scaled_mm, amax_histories(self), self.training)
+        settings = _GemmSettings(self.recipe, self.use_scaled_mm, amax_histories(self), self.training, self)
         with torch.autocast(device_type, enabled=False):
             y = _Fp8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, settings, out_dtype)
         return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    def advance_history(self) -> None:
+        """End of an optimizer step (delayed recipe): the step's amaxes enter the histories."""
+        advance_amax_histories(self)
 
     def matmul_no_bias(self, x: Tensor) -> Tensor:
         """``x @ W.T`` in FP8, without the bias: row-parallel TP all-reduces this partial sum and

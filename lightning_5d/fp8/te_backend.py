@@ -72,8 +72,10 @@ _TE_RECIPES: dict[Fp8Recipe, tuple[str, str]] = {
     Fp8Recipe.MXFP8: ("MXFP8BlockScaling", "E4M3"),
 }
 
-# TE's FP8 GEMMs need both feature dimensions divisible by 16 (its documented limit).
+# TE's FP8 GEMMs need both feature dimensions divisible by 16 (its documented limit); MXFP8's
+# 1x32 scaling blocks need 32.
 _TE_ALIGNMENT = 16
+_TE_MXFP8_ALIGNMENT = 32
 
 
 class TransformerEngineMissing(ImportError):
@@ -203,7 +205,7 @@ def te_recipe(recipe: Fp8Recipe | str, amax_history_len: int = 16) -> Any:
     return cls(fp8_format=fmt)
 
 
-def convert_to_te(root: nn.Module, names: Iterable[str]) -> list[str]:
+def convert_to_te(root: nn.Module, names: Iterable[str], recipe: Fp8Recipe | str = Fp8Recipe.TENSORWISE) -> list[str]:
     """Replace the ``nn.Linear`` at each dotted path in ``names`` by a Transformer Engine
     ``Linear`` with the same shape, bias, dtype and device, and the same weights.
 
@@ -212,6 +214,7 @@ def convert_to_te(root: nn.Module, names: Iterable[str]) -> list[str]:
     """
     te = require_transformer_engine()
     names = list(names)
+    alignment = _TE_MXFP8_ALIGNMENT if Fp8Recipe(recipe) is Fp8Recipe.MXFP8 else _TE_ALIGNMENT
     for name in names:
         if not name:
             raise ValueError("convert_to_te replaces submodules; the root module itself cannot be converted")
@@ -223,10 +226,10 @@ def convert_to_te(root: nn.Module, names: Iterable[str]) -> list[str]:
                 f"{name}.weight is a {type(old.weight).__name__}: convert to Transformer Engine layers before "
                 "tensor parallelism, FSDP or the FP8 all-gather wrap the weights"
             )
-        if old.in_features % _TE_ALIGNMENT or old.out_features % _TE_ALIGNMENT:
+        if old.in_features % alignment or old.out_features % alignment:
             raise ValueError(
-                f"{name} is {old.in_features} -> {old.out_features}: Transformer Engine's FP8 GEMMs need both "
-                f"dimensions divisible by {_TE_ALIGNMENT}; leave this layer out of the conversion"
+                f"{name} is {old.in_features} -> {old.out_features}: Transformer Engine's {Fp8Recipe(recipe).value} "
+                f"GEMMs need both dimensions divisible by {alignment}; use fp8.backend=torch for this model"
             )
         new = te.Linear(
             old.in_features,

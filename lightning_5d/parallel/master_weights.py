@@ -75,6 +75,15 @@ class MasterWeights:
             yield
         finally:
             self._rekey(back)
+            self._state_to_master_dtype()
+
+    def _state_to_master_dtype(self) -> None:
+        # torch's load_state_dict casts state to the dtype of the parameter it is keyed by, which
+        # inside as_model_params was the bf16 one: Adam's moments must be fp32 like their master.
+        for _, master in self._pairs:
+            for key, value in self.optimizer.state.get(master, {}).items():
+                if torch.is_tensor(value) and value.is_floating_point() and value.shape == master.shape:
+                    self.optimizer.state[master][key] = value.to(master.dtype)
 
     def _rekey(self, mapping: dict[int, torch.Tensor]) -> None:
         opt = self.optimizer

@@ -113,3 +113,48 @@ def test_numerics_guard_logs_the_bf16_loss_difference(tmp_path):
     for bf16, fp8 in pairs:
         assert bf16 != fp8 and abs(fp8 - bf16) / bf16 < STEP_RTOL
     assert 0 < logged < STEP_RTOL  # step 4's difference, averaged over the data ranks
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("zero, precision", [(0, "bf16-mixed"), (1, "fp8-delayed")])
+def test_resume_under_mixed_precision_continues_the_run(tmp_path, zero, precision):
+    """The optimizer state (keyed through the masters) and the delayed-scaling histories come
+    back; the fp32 masters restart from the saved bf16 weights, so the losses agree to bf16."""
+    import json
+
+    from lightning_5d.testing import run_distributed
+    from tests_support import SCRIPTS
+
+    def train(out, resume=None):
+        out.mkdir()
+        args = ["--zero", str(zero), "--max-epochs", "2", "--num-samples", "12", "--precision", precision,
+                "--out", str(out), "--save", *(["--resume", str(resume)] if resume else [])]  # fmt: skip
+        run_distributed(SCRIPTS / "train_llama.py", 2, args, timeout=240).check()
+        return json.loads((out / "result.json").read_text())["losses"]
+
+    whole = train(tmp_path / "whole")
+    checkpoint = torch.load(tmp_path / "whole" / "epoch=0.ckpt", weights_only=True)
+    if precision == "fp8-delayed":
+        histories = checkpoint["FiveDPrecision"]["fp8_amax_history"]
+        assert len(histories) == 2 * 7 and all(h["input"][0] > 0 for h in histories.values())
+        assert not any("amax" in key for key in checkpoint["state_dict"])
+    resumed = train(tmp_path / "resumed", resume=tmp_path / "whole" / "epoch=0.ckpt")
+    assert len(resumed) == 3
+    assert relative(resumed, whole[3:]) < 2e-3
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_manual_optimization_clips_the_master_gradients(tmp_path):
+    import json
+
+    from lightning_5d.testing import run_distributed
+    from tests_support import SCRIPTS
+
+    run_distributed(SCRIPTS / "precision_manual.py", 1, ["--out", str(tmp_path)], timeout=200).check()
+    result = json.loads((tmp_path / "result.json").read_text())
+    # Two SGD steps at lr 1 with the gradient norm clipped to 1e-6 move no weight by more than
+    # 2e-6, up to the bf16 rounding of the weights themselves (ulp ~ 2^-8 of |w| <= ~0.1).
+    assert result["moved"] < 1e-3, result
+    assert "toggle_optimizer switches requires_grad on the fp32 masters" in result["error"]

@@ -88,3 +88,34 @@ def test_l5d_train_validates_the_precision_before_launch():
         validate(compose(["recipe=tiny_tp", "precision=fp8_delayed", "+precision_options.fp8.amax_history_len=0"]))
     with pytest.raises(ConfigError, match="two FP8 recipes given"):
         validate(compose(["recipe=tiny_tp", "precision=fp8_delayed", "+precision_options.fp8.recipe=rowwise"]))
+
+
+def test_auto_backend_falls_back_to_torch_where_transformer_engine_cannot_serve(monkeypatch):
+    from lightning_5d.fp8 import te_backend
+
+    monkeypatch.setattr(te_backend, "te_available", lambda: True)
+    monkeypatch.setattr(te_backend, "check_recipe_supported", lambda recipe: None)
+    single = {"tp": 1, "pp": 1, "ep": 1}
+    assert FiveDPrecision("fp8")._choose_backend(single, False) is Fp8Backend.TRANSFORMER_ENGINE
+    assert FiveDPrecision("fp8")._choose_backend({**single, "tp": 2}, False) is Fp8Backend.TORCH
+    assert FiveDPrecision("fp8")._choose_backend(single, True) is Fp8Backend.TORCH  # activation checkpointing
+    assert FiveDPrecision("fp8", recipe="rowwise")._choose_backend(single, False) is Fp8Backend.TORCH
+
+    def no_mxfp8(recipe):
+        raise te_backend.UnsupportedFp8Recipe("MXFP8 needs a Blackwell GPU")
+
+    monkeypatch.setattr(te_backend, "check_recipe_supported", no_mxfp8)
+    assert FiveDPrecision("fp8", recipe="mxfp8")._choose_backend(single, False) is Fp8Backend.TORCH
+    monkeypatch.setattr(te_backend, "te_available", lambda: False)
+    assert FiveDPrecision("fp8")._choose_backend(single, False) is Fp8Backend.TORCH
+
+
+def test_asking_for_transformer_engine_where_it_cannot_serve_names_the_fix():
+    explicit = FiveDPrecision("fp8", fp8={"backend": "transformer_engine"})
+    with pytest.raises(PrecisionError, match=r"cannot run with tp=2, pp=2 here; use fp8.backend=torch"):
+        explicit._choose_backend({"tp": 2, "pp": 2, "ep": 1}, False)
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        with pytest.raises(ImportError, match=r"pip install 'lightning-5d\[te\]'"):
+            explicit._choose_backend({"tp": 1, "pp": 1, "ep": 1}, False)

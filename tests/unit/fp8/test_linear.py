@@ -27,6 +27,7 @@ from lightning_5d.fp8 import (
     quantize_tensorwise,
     relative_error,
 )
+from lightning_5d.fp8.convert import advance_fp8_histories, fp8_scaling_state, load_fp8_scaling_state
 
 RECIPES = list(Fp8Recipe)
 ALL_E4M3 = {Fp8Recipe.BLOCKWISE, Fp8Recipe.MXFP8}
@@ -178,6 +179,7 @@ def test_output_dtype_follows_autocast_else_input():
 def step(module, x):
     y = module(x)
     y.sum().backward()
+    advance_fp8_histories(module)  # as FiveDPrecision does after each optimizer step
     return y.detach()
 
 
@@ -238,21 +240,38 @@ def test_delayed_values_above_the_history_amax_saturate():
     assert y.tolist() == [[1.0, 0.5, 0.25, -1.0]]
 
 
-def test_delayed_histories_are_in_the_state_dict_and_restore():
+def test_delayed_histories_travel_beside_the_state_dict_and_restore():
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
     convert_to_fp8(model, ["0", "2"], Fp8Recipe.DELAYED, amax_history_len=8)
     for _ in range(3):
         step(model, torch.randn(5, 16))
-    state = model.state_dict()
+    # Not in the module's state_dict: an FP8 run's checkpoint loads strictly into the plain model.
+    assert not any("amax" in key for key in model.state_dict())
+    nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).load_state_dict(model.state_dict())
+    scaling = fp8_scaling_state(model)
     for prefix in ("0", "2"):
         for role in ("input", "weight", "grad_output"):
-            key = f"{prefix}.amax_history_{role}"
-            assert key in state and state[key].shape == (8,) and state[key][:3].gt(0).all()
+            assert scaling[prefix][role].shape == (8,) and scaling[prefix][role][:3].gt(0).all()
     fresh = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
     convert_to_fp8(fresh, ["0", "2"], Fp8Recipe.DELAYED, amax_history_len=8)
-    fresh.load_state_dict(state)
+    fresh.load_state_dict(model.state_dict())
+    load_fp8_scaling_state(fresh, scaling)
     x = torch.randn(5, 16)
     assert torch.equal(fresh(x), model(x))
+
+
+def test_delayed_scale_is_fixed_within_a_step_so_a_recompute_matches_its_forward():
+    _, base = linear_pair(16, 8)
+    fp8 = Fp8Linear.from_linear(base, Fp8Recipe.DELAYED)
+    step(fp8, torch.randn(3, 16))
+    x = 10 * torch.randn(3, 16)
+    first, again = fp8(x), fp8(x)  # a forward and its activation-checkpoint recompute
+    assert torch.equal(first, again)
+    before = amax_histories(fp8)["input"].clone()
+    advance_fp8_histories(fp8)
+    assert amax_histories(fp8)["input"][0] == x.abs().max() and torch.equal(
+        amax_histories(fp8)["input"][1:], before[:-1]
+    )
 
 
 def test_delayed_eval_mode_does_not_update_histories():
