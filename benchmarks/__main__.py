@@ -21,6 +21,7 @@ from benchmarks import (
     memory_vs_theory,
     overhead_vs_lightning,
     pipeline_bubble,
+    precision_recipes,
 )
 from benchmarks.gpu import bench_1b
 
@@ -31,6 +32,7 @@ BENCHMARKS = {
     "memory_vs_theory": memory_vs_theory,
     "pipeline_bubble": pipeline_bubble,
     "context_parallel_scaling": context_parallel_scaling,
+    "precision_recipes": precision_recipes,
     "gpu_1b": bench_1b,
 }
 HERE = Path(__file__).parent

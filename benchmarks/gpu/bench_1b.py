@@ -5,14 +5,20 @@
     python -m benchmarks.gpu.bench_1b --smoke               # tiny model, runs on CPU too: checks the script
 
 Both sides train the same ``LlamaLM`` (same seed, same weights), on the same data
-(``TextDataModule``), with the same optimizer (the module's own AdamW), in bf16 autocast
-with fp32 parameters (Lightning ``precision="bf16-mixed"``; the loop uses ``torch.autocast``).
+(``TextDataModule``), with the same optimizer (the module's own AdamW), in bf16 mixed
+precision as ``FiveDStrategy`` runs it: bf16 parameters and gradients, fp32 master weights
+the optimizer steps (``precision="bf16-mixed"``, i.e. ``FiveDPrecision``), forward under
+``torch.autocast``; the loop keeps its own fp32 master copy the same way.
 Each run is its own process (clean allocator, honest peak memory); runs alternate
 plain / 5d for ``--repeats`` rounds and the ratio ours/plain is taken within each round,
 then the median. Step time: CUDA-synchronized wall time over the timed steps after
 ``--warmup`` steps. MFU = the planner's model FLOPs per step (``lightning_5d.estimate``:
 6·N_matmul + 12·L·s·h per token) / step time / peak FLOP/s. Target: ours/plain ≥ 0.97.
-FP8 recipes: pending the precision plugin (issue 8).
+
+FP8: ``--fp8 tensorwise,delayed,blockwise,mxfp8`` (the default) adds one ``FiveDStrategy`` run per
+recipe with ``FiveDPrecision("fp8", recipe=...)`` (backend ``auto``: Transformer Engine where it is
+installed and the GPU supports the recipe, else ours), and reports each one's step time against
+bf16 in the same round.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ MODEL_SMOKE = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "
                "num_kv_heads": 2, "max_seq_len": 64}  # fmt: skip
 # Dense bf16 tensor-core peak per GPU (vendor data sheets, without sparsity), by device-name fragment.
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 70.0}
-FP8_NOTE = "FP8 recipes: pending the precision plugin (issue 8)"
+DEFAULT_FP8 = "tensorwise,delayed,blockwise,mxfp8"
 
 
 class NoGPUError(SystemExit):
@@ -64,13 +70,29 @@ def _setup(cfg: dict, seq: int, batch: int, total_steps: int):
     return module, data
 
 
+def _with_fp32_masters(module: torch.nn.Module) -> tuple[torch.optim.Optimizer, list]:
+    """The module's own optimizer, rebuilt over fp32 copies of its (bf16) parameters."""
+    built = module.configure_optimizers()  # the module's own AdamW, as Lightning would build it
+    optimizer = built["optimizer"] if isinstance(built, dict) else built
+    pairs, groups = [], []
+    for group in optimizer.param_groups:
+        masters = []
+        for p in group["params"]:
+            master = torch.nn.Parameter(p.detach().float())
+            pairs.append((p, master))
+            masters.append(master)
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": masters})
+    return type(optimizer)(groups), pairs  # each group carries every setting of the original
+
+
 def run_plain(cfg: dict, seq: int, batch: int, warmup: int, steps: int, device: torch.device) -> dict:
-    """What a user would write by hand: forward, loss, backward, AdamW step, zero_grad."""
+    """What a user would write by hand: bf16 weights, an fp32 master copy, forward, loss, backward,
+    AdamW step on the masters, copy back, zero_grad."""
     import torch.nn.functional as F
 
     module, data = _setup(cfg, seq, batch, warmup + steps)
-    module.to(device)
-    optimizer = module.configure_optimizers()  # the module's own AdamW, as Lightning would build it
+    module.to(device=device, dtype=torch.bfloat16)
+    optimizer, pairs = _with_fp32_masters(module)
     data.setup("fit")
     start = None
     for i, batch_data in enumerate(data.train_dataloader()):
@@ -82,7 +104,12 @@ def run_plain(cfg: dict, seq: int, batch: int, warmup: int, steps: int, device: 
             logits = module(input_ids)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
         loss.backward()
+        for p, master in pairs:
+            master.grad, p.grad = p.grad.float(), None
         optimizer.step()
+        with torch.no_grad():
+            for p, master in pairs:
+                p.copy_(master)
         optimizer.zero_grad(set_to_none=True)
         if i == warmup + steps - 1:
             break
@@ -90,7 +117,9 @@ def run_plain(cfg: dict, seq: int, batch: int, warmup: int, steps: int, device: 
     return {"step_s": (time.perf_counter() - start) / steps}
 
 
-def run_5d(cfg: dict, seq: int, batch: int, warmup: int, steps: int, device: torch.device, zero: int) -> dict:
+def run_5d(
+    cfg: dict, seq: int, batch: int, warmup: int, steps: int, device: torch.device, zero: int, fp8: str | None = None
+) -> dict:
     import lightning as L
 
     import lightning_5d
@@ -106,13 +135,15 @@ def run_5d(cfg: dict, seq: int, batch: int, warmup: int, steps: int, device: tor
 
     module, data = _setup(cfg, seq, batch, warmup + steps)
     timer = Timer()
+    precision = {"precision": "bf16-mixed"} if fp8 is None else {"plugins": [lightning_5d.FiveDPrecision("fp8", fp8)]}
     trainer = L.Trainer(
-        accelerator=device.type, devices=1, strategy=lightning_5d.FiveDStrategy(zero=zero), precision="bf16-mixed",
+        accelerator=device.type, devices=1, strategy=lightning_5d.FiveDStrategy(zero=zero), **precision,
         max_steps=warmup + steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0, callbacks=[timer],
     )  # fmt: skip
     trainer.fit(module, datamodule=data)
-    return {"step_s": timer.step_s}
+    backend = None if fp8 is None else trainer.precision_plugin.backend.value
+    return {"step_s": timer.step_s, "fp8_backend": backend}
 
 
 def _sync(device: torch.device) -> None:
@@ -128,7 +159,8 @@ def child(args: argparse.Namespace) -> None:
     if args.child == "plain":
         out = run_plain(cfg, args.seq, args.batch, args.warmup, args.steps, device)
     else:
-        out = run_5d(cfg, args.seq, args.batch, args.warmup, args.steps, device, args.zero)
+        fp8 = args.child[len("fp8-") :] if args.child.startswith("fp8-") else None
+        out = run_5d(cfg, args.seq, args.batch, args.warmup, args.steps, device, args.zero, fp8)
     out["peak_memory_bytes"] = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
     Path(args.child_out).write_text(json.dumps(out))
 
@@ -161,41 +193,52 @@ def measure(args: argparse.Namespace) -> dict:
         spec = load_spec(LlamaLM(LlamaConfig(**cfg)))
     est = estimate(spec, dp_shard=1, zero=args.zero, precision="bf16", seq_len=args.seq, micro_batch_size=args.batch)
     peak = peak_flops(args.peak_tflops)
+    variants = ["plain", "5d"] + [f"fp8-{r}" for r in args.fp8.split(",") if r]
     rounds = []
     for _ in range(args.repeats):
-        rounds.append({variant: _run_child(variant, args) for variant in ("plain", "5d")})
+        rounds.append({variant: _run_child(variant, args) for variant in variants})
     tokens = args.seq * args.batch
     out = {"model": cfg, "params": est.params.total, "seq": args.seq, "batch": args.batch, "steps": args.steps,
            "warmup": args.warmup, "zero": args.zero, "repeats": args.repeats, "peak_flops": peak,
            "model_flops_per_step": est.flops.model_per_step, "rounds": rounds,
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (smoke)"}  # fmt: skip
-    for variant in ("plain", "5d"):
+    out["variants"] = variants
+    for variant in variants:
         step = statistics.median(r[variant]["step_s"] for r in rounds)
+        # FP8 step time over bf16's (the 5d run) in the same round, median over rounds
+        vs_bf16 = statistics.median(r[variant]["step_s"] / r["5d"]["step_s"] for r in rounds)
         out[variant] = {"step_s": step, "tokens_per_s": tokens / step,
                         "mfu": est.mfu(step, peak) if peak else None,
-                        "peak_memory_bytes": rounds[0][variant]["peak_memory_bytes"]}  # fmt: skip
+                        "peak_memory_bytes": rounds[0][variant]["peak_memory_bytes"],
+                        "fp8_backend": rounds[0][variant].get("fp8_backend"), "vs_bf16": vs_bf16}  # fmt: skip
     out["ratio_tokens_per_s"] = statistics.median(r["plain"]["step_s"] / r["5d"]["step_s"] for r in rounds)
     return out
 
 
 def markdown(result: dict) -> str:
     if "status" in result:
-        return f"**{result['status']}.** {FP8_NOTE}."
+        return (f"**{result['status']}.** When run, it also times each FP8 recipe ({DEFAULT_FP8}) against bf16 "
+                "mixed on the same model.")  # fmt: skip
     lines = [
         f"{result['device']}; {result['params'] / 1e9:.2f} B parameters, seq {result['seq']}, batch {result['batch']}, "
-        f"bf16 autocast + fp32 AdamW; {result['warmup']} warm-up + {result['steps']} timed steps, "
-        f"{result['repeats']} alternating rounds, medians.",
+        f"bf16 mixed (bf16 weights, fp32 master AdamW); {result['warmup']} warm-up + {result['steps']} timed steps, "
+        f"{result['repeats']} alternating rounds, medians. FP8 rows: `FiveDPrecision('fp8', recipe)` on the block "
+        f"projections (MFU counts the same model FLOPs against the bf16 peak).",
         "",
-        "| variant | tokens/s | MFU | peak memory (GiB) |",
-        "|---|---:|---:|---:|",
+        "| variant | tokens/s | MFU | peak memory (GiB) | step time / bf16 |",
+        "|---|---:|---:|---:|---:|",
     ]
-    for variant, label in (("plain", "plain PyTorch loop"), ("5d", f"`FiveDStrategy(zero={result['zero']})`")):
+    for variant in result.get("variants", ["plain", "5d"]):
+        label = {"plain": "plain PyTorch loop", "5d": f"`FiveDStrategy(zero={result['zero']})`, bf16 mixed"}.get(
+            variant, f"{variant} ({result[variant].get('fp8_backend')})"
+        )
         v = result[variant]
         mfu = f"{v['mfu']:.1%}" if v["mfu"] is not None else "n/a (give --peak-tflops)"
         mem = f"{v['peak_memory_bytes'] / 2**30:.2f}" if v["peak_memory_bytes"] else "n/a"
-        lines.append(f"| {label} | {v['tokens_per_s']:,.0f} | {mfu} | {mem} |")
+        vs = f"{v['vs_bf16']:.3f}" if "vs_bf16" in v else "-"
+        lines.append(f"| {label} | {v['tokens_per_s']:,.0f} | {mfu} | {mem} | {vs} |")
     r = result["ratio_tokens_per_s"]
-    lines += ["", f"tokens/s ours / plain: {r:.3f}{'' if r >= 0.97 else ' ✗'} (target ≥ 0.97). {FP8_NOTE}."]
+    lines += ["", f"tokens/s ours / plain (bf16): {r:.3f}{'' if r >= 0.97 else ' ✗'} (target ≥ 0.97)."]
     if result["device"].endswith("(smoke)"):
         lines.append("Smoke run (tiny model on CPU): it checks that the script works; its speeds mean nothing.")
     return "\n".join(lines)
@@ -223,7 +266,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny model, CPU allowed: checks the script, not the speed")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--out", default=None, help="also write the JSON result here")
-    p.add_argument("--child", choices=["plain", "5d"], help=argparse.SUPPRESS)
+    p.add_argument("--fp8", default=DEFAULT_FP8, help="FP8 recipes to time against bf16 ('' for none)")
+    p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.smoke:

@@ -29,7 +29,9 @@ def relative(a, b):
 def test_bf16_mixed_tracks_fp32(tmp_path, zero):
     result, _ = run_layout(tmp_path, 2, zero, steps=5, precision="bf16-mixed", clip=0.5)
     ref_losses, _ = reference_run(5, 2, 1, 0.5)
-    assert relative(result["losses"], ref_losses) < STEP_RTOL
+    rel = relative(result["losses"], ref_losses)
+    print(f"bf16-mixed zero={zero}: max per-step loss difference to fp32 {rel:.3%}")
+    assert rel < STEP_RTOL
 
 
 @pytest.mark.distributed
@@ -82,7 +84,9 @@ def check_composed(tmp_path, nproc, zero, recipe, extra):
     fp8, _ = run_layout(tmp_path / "fp8", nproc, zero, steps=5, precision=f"fp8-{recipe}", extra=extra)
     bf16_extra = tuple(a for a in extra if a != "--fp8-all-gather")
     bf16, _ = run_layout(tmp_path / "bf16", nproc, zero, steps=5, precision="bf16-mixed", extra=bf16_extra)
-    assert relative(fp8["losses"], bf16["losses"]) < STEP_RTOL, (fp8["losses"], bf16["losses"])
+    rel = relative(fp8["losses"], bf16["losses"])
+    print(f"fp8-{recipe} {' '.join(extra)} (zero={zero}): max per-step loss difference to bf16 {rel:.3%}")
+    assert rel < STEP_RTOL, (fp8["losses"], bf16["losses"])
 
 
 @pytest.mark.distributed
