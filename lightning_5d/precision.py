@@ -196,25 +196,34 @@ class FiveDPrecision(Precision):
         assert self.fp8 is not None
         return self._backend or self.fp8.backend
 
-    def _te_blockers(self, layout: Mapping[str, int], activation_checkpointing: bool) -> list[str]:
-        """Why Transformer Engine cannot take this run (empty: it can)."""
+    def _te_blockers(
+        self, layout: Mapping[str, int], activation_checkpointing: bool, experts: bool = False, shapes=()
+    ) -> list[str]:
+        """Why Transformer Engine cannot take this run (empty: it can). ``shapes``: (name, in, out)
+        of the linears it would take."""
         assert self.fp8 is not None
         # Our tp cuts nn.Linear weights, and TE keeps its own; its delayed-scaling amax reduction and
         # activation-checkpoint recompute need TE's own pipeline/expert/checkpoint plumbing.
         blockers = [f"{dim}={size}" for dim, size in layout.items() if size > 1]
         if activation_checkpointing:
             blockers.append("activation checkpointing")
+        if experts and not any(size > 1 for size in layout.values()):
+            blockers.append("expert dispatch")
+        align = 32 if self.fp8.recipe == Fp8Recipe.MXFP8 else 16
+        blockers += [f"{n} ({i} -> {o}, not multiples of {align})" for n, i, o in shapes if i % align or o % align]
         if self.fp8.fp8_all_gather:
             blockers.append("fp8_all_gather")
         if self.fp8.recipe == Fp8Recipe.ROWWISE:
             blockers.append("recipe=rowwise (no Transformer Engine recipe)")
         return blockers
 
-    def _choose_backend(self, layout: Mapping[str, int], activation_checkpointing: bool) -> Fp8Backend:
+    def _choose_backend(
+        self, layout: Mapping[str, int], activation_checkpointing: bool, experts: bool = False, shapes=()
+    ) -> Fp8Backend:
         from lightning_5d.fp8 import te_backend
 
         assert self.fp8 is not None
-        blockers = self._te_blockers(layout, activation_checkpointing)
+        blockers = self._te_blockers(layout, activation_checkpointing, experts, shapes)
         if self.fp8.backend == Fp8Backend.TORCH:
             return Fp8Backend.TORCH
         if self.fp8.backend == Fp8Backend.TRANSFORMER_ENGINE:
@@ -230,6 +239,7 @@ class FiveDPrecision(Precision):
             return Fp8Backend.TORCH
         try:  # auto: a recipe this GPU or TE build lacks falls back to our own scaling
             te_backend.check_recipe_supported(self.fp8.recipe)
+            te_backend.te_recipe(self.fp8.recipe, amax_history_len=self.fp8.amax_history_len)
         except (te_backend.UnsupportedFp8Recipe, te_backend.TransformerEngineMissing):
             return Fp8Backend.TORCH
         return Fp8Backend.TRANSFORMER_ENGINE
@@ -248,6 +258,7 @@ class FiveDPrecision(Precision):
         layout: Mapping[str, int],
         activation_checkpointing: bool = False,
         amax_group=None,
+        experts: bool = False,
     ) -> list[str]:
         """Swap the planned linears for FP8 ones (the first step of the design's data path).
 
@@ -256,13 +267,14 @@ class FiveDPrecision(Precision):
         """
         assert self.fp8 is not None
         names = self.fp8_targets(plan, module)
-        self._backend = self._choose_backend(layout, activation_checkpointing)
+        shapes = [(n, module.get_submodule(n).in_features, module.get_submodule(n).out_features) for n in names]
+        self._backend = self._choose_backend(layout, activation_checkpointing, experts, shapes)
         self._fp8_root = module
+        self._amax_group = amax_group
         if self._backend == Fp8Backend.TRANSFORMER_ENGINE:
             from lightning_5d.fp8 import te_backend
 
             self._te_recipe = te_backend.te_recipe(self.fp8.recipe, amax_history_len=self.fp8.amax_history_len)
-            self._amax_group = amax_group
             self.fp8_names = te_backend.convert_to_te(module, names, self.fp8.recipe)
         else:
             from lightning_5d.fp8.convert import convert_to_fp8
@@ -289,6 +301,12 @@ class FiveDPrecision(Precision):
         return MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
 
     # ------------------------------------------------------------------ optimizer
+    def reset_masters(self) -> None:
+        """Forget the masters of an earlier fit (their optimizers are gone)."""
+        for masters in self._masters.values():
+            masters.remove()
+        self._masters.clear()
+
     def add_master_weights(self, optimizer: torch.optim.Optimizer) -> None:
         masters = MasterWeights(optimizer)
         if len(masters):
@@ -308,10 +326,11 @@ class FiveDPrecision(Precision):
                     out[id(m)] = names[id(p)]
         return out
 
-    def after_backward(self, automatic_optimization: bool = True) -> None:
-        """With fp32 accumulation, each micro-batch's gradients move into the fp32 masters now; under
-        manual optimization too, so that ``self.clip_gradients`` before ``opt.step()`` sees them."""
-        if self.fp32_accumulation or not automatic_optimization:
+    def after_backward(self, automatic_optimization: bool = True, accumulating: bool = False) -> None:
+        """With fp32 accumulation, each micro-batch's gradients move into the fp32 masters now (they
+        were reduced already); under manual optimization too, once reduced (not inside a no-sync
+        window), so that ``self.clip_gradients`` before ``opt.step()`` sees them."""
+        if self.fp32_accumulation or not (automatic_optimization or accumulating):
             for masters in self._masters.values():
                 masters.move_grads()
 
@@ -332,7 +351,9 @@ class FiveDPrecision(Precision):
         if self._fp8_root is not None and self.backend == Fp8Backend.TORCH:
             from lightning_5d.fp8.convert import advance_fp8_histories
 
-            advance_fp8_histories(self._fp8_root)  # delayed scaling: the step's amaxes enter the histories
+            # Delayed scaling: the step's amaxes, the max over the data ranks (so every rank keeps the
+            # same history, and any rank's checkpoint resumes all of them), enter the histories.
+            advance_fp8_histories(self._fp8_root, self._amax_group)
         return out
 
     def state_dict(self) -> dict[str, Any]:

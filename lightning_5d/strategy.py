@@ -280,6 +280,7 @@ class FiveDStrategy(ParallelStrategy):
                 for optimizer in self.optimizers:
                     self._zero.shard_optimizer(optimizer)
             if precision is not None:  # bf16 parameters the optimizer still holds get fp32 masters
+                precision.reset_masters()  # a later fit's new optimizers replace the earlier ones
                 for optimizer in self.optimizers:
                     precision.add_master_weights(optimizer)
                 self._check_manual_optimizers(precision)
@@ -332,7 +333,8 @@ class FiveDStrategy(ParallelStrategy):
             rank_zero_info(f"[lightning_5d] model plan:\n{describe(plan)}")
         if fp8:
             ac = self.config.activation_checkpointing != ActivationCheckpointing.NONE
-            precision.apply_fp8(module, plan, {"tp": tp, "pp": pp, "ep": ep}, ac, self.mesh.group("dp_cp"))
+            layout = {"tp": tp, "pp": pp, "ep": ep}
+            precision.apply_fp8(module, plan, layout, ac, self.mesh.group("dp_cp"), experts=experts_wanted)
         if precision is not None:
             rank_zero_info(f"[lightning_5d] precision: {precision.describe()}")
         if tp > 1:
@@ -414,7 +416,13 @@ class FiveDStrategy(ParallelStrategy):
         """Skip gradient reduction on micro-batches that only accumulate."""
         precision = self._five_d_precision
         if precision is not None and precision.fp32_accumulation:
-            yield  # every micro-batch is reduced and summed in fp32 (ZeRO-3: in FSDP2's fp32 shards)
+            # Every micro-batch is reduced and summed in fp32 (ZeRO-3: in FSDP2's fp32 shards); the
+            # flag still marks the window, so SP's once-per-step sum over tp waits for its end.
+            self._in_backward_sync_block = True
+            try:
+                yield
+            finally:
+                self._in_backward_sync_block = False
             return
         if self._zero is not None:
             self._zero.require_sync = False
@@ -448,7 +456,9 @@ class FiveDStrategy(ParallelStrategy):
         if self._zero is not None:
             self._zero.finish_gradient_sync()
         if self._five_d_precision is not None:
-            self._five_d_precision.after_backward(self.lightning_module.automatic_optimization)
+            self._five_d_precision.after_backward(
+                self.lightning_module.automatic_optimization, accumulating=self._in_backward_sync_block
+            )
         if self._tp is not None and self._fsdp_units and self._tp.sequence_parallel:
             if not self._in_backward_sync_block:  # FSDP2 reduced this step's gradients
                 self._tp.sync_sequence_parallel_grads(self.lightning_module)

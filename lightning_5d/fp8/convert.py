@@ -12,7 +12,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from lightning_5d.fp8.delayed import amax_histories
+from lightning_5d.fp8.delayed import amax_histories, pending_buffer_name
 from lightning_5d.fp8.linear import Fp8Linear
 from lightning_5d.fp8.recipes import Fp8Recipe
 
@@ -59,9 +59,19 @@ def fp8_linears(root: nn.Module) -> dict[str, Fp8Linear]:
     return {name: m for name, m in root.named_modules() if isinstance(m, Fp8Linear)}
 
 
-def advance_fp8_histories(root: nn.Module) -> None:
-    """After an optimizer step: every delayed-scaling Fp8Linear under ``root`` takes in the step's amaxes."""
-    for module in fp8_linears(root).values():
+def advance_fp8_histories(root: nn.Module, group=None) -> None:
+    """After an optimizer step: every delayed-scaling Fp8Linear under ``root`` takes in the step's
+    amaxes. ``group``: ranks whose pending amaxes are max-reduced first (one collective for all)."""
+    modules = [m for m in fp8_linears(root).values() if amax_histories(m)]
+    if not modules:
+        return
+    if group is not None and torch.distributed.get_world_size(group) > 1:
+        pending = [getattr(m, pending_buffer_name(role)) for m in modules for role in amax_histories(m)]
+        stacked = torch.stack(pending)
+        torch.distributed.all_reduce(stacked, op=torch.distributed.ReduceOp.MAX, group=group)
+        for buffer, value in zip(pending, stacked):
+            buffer.copy_(value)
+    for module in modules:
         module.advance_history()
 
 

@@ -70,20 +70,19 @@ class MasterWeights:
         torch's optimizer state-dict helpers (which match parameters by identity) see names."""
         swap = {id(m): p for p, m in self._pairs}
         back = {id(p): m for p, m in self._pairs}
+        # For the block, each parameter shows its master's fp32 values: torch's load_state_dict
+        # casts state to the dtype of the parameter it is keyed by, and Adam's moments must not
+        # pass through bf16.
+        bf16 = [(p, p.data) for p, _ in self._pairs]
+        for p, master in self._pairs:
+            p.data = master.data
         self._rekey(swap)
         try:
             yield
         finally:
             self._rekey(back)
-            self._state_to_master_dtype()
-
-    def _state_to_master_dtype(self) -> None:
-        # torch's load_state_dict casts state to the dtype of the parameter it is keyed by, which
-        # inside as_model_params was the bf16 one: Adam's moments must be fp32 like their master.
-        for _, master in self._pairs:
-            for key, value in self.optimizer.state.get(master, {}).items():
-                if torch.is_tensor(value) and value.is_floating_point() and value.shape == master.shape:
-                    self.optimizer.state[master][key] = value.to(master.dtype)
+            for p, data in bf16:
+                p.data = data
 
     def _rekey(self, mapping: dict[int, torch.Tensor]) -> None:
         opt = self.optimizer

@@ -25,7 +25,7 @@ def relative(a, b):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("zero", [0, 1, 3])
+@pytest.mark.parametrize("zero", [pytest.param(0, marks=pytest.mark.slow), 1, pytest.param(3, marks=pytest.mark.slow)])
 def test_bf16_mixed_tracks_fp32(tmp_path, zero):
     result, _ = run_layout(tmp_path, 2, zero, steps=5, precision="bf16-mixed", clip=0.5)
     ref_losses, _ = reference_run(5, 2, 1, 0.5)
@@ -36,7 +36,7 @@ def test_bf16_mixed_tracks_fp32(tmp_path, zero):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("zero", [0, 1, 3])
+@pytest.mark.parametrize("zero", [pytest.param(0, marks=pytest.mark.slow), 1, 3])
 def test_fp32_accumulation_tracks_fp32(tmp_path, zero):
     extra = ("--accumulation-dtype", "fp32")
     result, _ = run_layout(tmp_path, 2, zero, accumulate=2, steps=4, precision="bf16-mixed", clip=0.5, extra=extra)
@@ -46,21 +46,42 @@ def test_fp32_accumulation_tracks_fp32(tmp_path, zero):
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fp32_accumulation_with_sequence_parallel_under_zero3(tmp_path):
+    """SP's sum over tp of the norm gradients runs once per step, after the last micro-batch."""
+    extra = ("--accumulation-dtype", "fp32")
+    result, _ = run_layout(
+        tmp_path, 4, 3, accumulate=2, steps=4, precision="bf16-mixed", clip=0.5, tp=2, sp=True, extra=extra
+    )
+    ref_losses, _ = reference_run(4, 2, 2, 0.5)
+    assert relative(result["losses"], ref_losses) < STEP_RTOL
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_each_fp8_recipe_ends_within_2_percent_of_bf16_after_50_steps(tmp_path):
-    def final(precision):
+    """ "Final loss" is the mean of the last 10 steps: one step's loss after 50 steps of this tiny
+    model moves by several percent under any change of numerics (fp32 itself ends 4.9 % from bf16
+    mixed at step 50, 1.4 % over the last 10), so a single step would test the noise."""
+
+    def run(precision):
         out = tmp_path / precision
         out.mkdir()
         result, _ = run_layout(out, 2, 1, steps=50, precision=precision)
         return result["losses"]
 
-    bf16 = final("bf16-mixed")
+    def final(losses):
+        return sum(losses[-10:]) / 10
+
+    bf16 = run("bf16-mixed")
     for recipe in RECIPES:
-        fp8 = final(f"fp8-{recipe}")
-        rel = abs(fp8[-1] - bf16[-1]) / bf16[-1]
-        print(f"{recipe}: final loss {fp8[-1]:.4f} vs bf16 {bf16[-1]:.4f} ({rel:.3%})")
-        assert rel < FINAL_RTOL, (recipe, fp8[-1], bf16[-1])
-        assert fp8[-1] < 0.8 * fp8[0]  # it trained
+        fp8 = run(f"fp8-{recipe}")
+        rel = abs(final(fp8) - final(bf16)) / final(bf16)
+        last = (fp8[-1] - bf16[-1]) / bf16[-1]
+        print(f"{recipe}: last-10 loss {final(fp8):.4f} vs bf16 {final(bf16):.4f} ({rel:.3%}); last step {last:+.3%}")
+        assert rel < FINAL_RTOL, (recipe, final(fp8), final(bf16))
+        assert final(fp8) < 0.8 * fp8[0]  # it trained
 
 
 # (nproc, zero, recipe, extra script args): FP8 composed with each dim, against the same layout in bf16
@@ -158,7 +179,9 @@ def test_manual_optimization_clips_the_master_gradients(tmp_path):
 
     run_distributed(SCRIPTS / "precision_manual.py", 1, ["--out", str(tmp_path)], timeout=200).check()
     result = json.loads((tmp_path / "result.json").read_text())
-    # Two SGD steps at lr 1 with the gradient norm clipped to 1e-6 move no weight by more than
+    # Two SGD steps at lr 0.1 with the gradient norm clipped to 1e-6 move no weight by more than
     # 2e-6, up to the bf16 rounding of the weights themselves (ulp ~ 2^-8 of |w| <= ~0.1).
     assert result["moved"] < 1e-3, result
+    # Without clipping, two more steps in a second fit of the same Trainer move the weights.
+    assert result["refit_moved"] > 1e-3, result
     assert "toggle_optimizer switches requires_grad on the fp32 masters" in result["error"]

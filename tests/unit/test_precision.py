@@ -95,6 +95,7 @@ def test_auto_backend_falls_back_to_torch_where_transformer_engine_cannot_serve(
 
     monkeypatch.setattr(te_backend, "te_available", lambda: True)
     monkeypatch.setattr(te_backend, "check_recipe_supported", lambda recipe: None)
+    monkeypatch.setattr(te_backend, "te_recipe", lambda recipe, amax_history_len=16: object())
     single = {"tp": 1, "pp": 1, "ep": 1}
     assert FiveDPrecision("fp8")._choose_backend(single, False) is Fp8Backend.TRANSFORMER_ENGINE
     assert FiveDPrecision("fp8")._choose_backend({**single, "tp": 2}, False) is Fp8Backend.TORCH
@@ -119,3 +120,20 @@ def test_asking_for_transformer_engine_where_it_cannot_serve_names_the_fix():
     if importlib.util.find_spec("transformer_engine") is None:
         with pytest.raises(ImportError, match=r"pip install 'lightning-5d\[te\]'"):
             explicit._choose_backend({"tp": 1, "pp": 1, "ep": 1}, False)
+
+
+def test_auto_backend_leaves_misaligned_layers_and_experts_to_torch(monkeypatch):
+    from lightning_5d.fp8 import te_backend
+
+    monkeypatch.setattr(te_backend, "te_available", lambda: True)
+    monkeypatch.setattr(te_backend, "check_recipe_supported", lambda recipe: None)
+    monkeypatch.setattr(te_backend, "te_recipe", lambda recipe, amax_history_len=16: object())
+    single = {"tp": 1, "pp": 1, "ep": 1}
+    aligned, odd = [("q", 64, 64)], [("q", 64, 48)]
+    assert FiveDPrecision("fp8")._choose_backend(single, False, shapes=aligned) is Fp8Backend.TRANSFORMER_ENGINE
+    assert FiveDPrecision("fp8", recipe="mxfp8")._choose_backend(single, False, shapes=odd) is Fp8Backend.TORCH
+    assert FiveDPrecision("fp8")._choose_backend(single, False, experts=True) is Fp8Backend.TORCH
+    with pytest.raises(PrecisionError, match=r"q \(64 -> 48, not multiples of 32\)"):
+        FiveDPrecision("fp8", recipe="mxfp8", fp8={"backend": "transformer_engine"})._choose_backend(
+            single, False, shapes=odd
+        )

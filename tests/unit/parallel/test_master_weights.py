@@ -1,5 +1,7 @@
 """MasterWeights: fp32 copies step in place of bf16 parameters, and round back into them."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -103,3 +105,27 @@ def test_moving_after_every_micro_batch_sums_in_fp32():
     for g in [256.0] + [1.0] * 100:
         bf16_sum += g
     assert bf16_sum.item() == 256.0
+
+
+def test_state_loaded_through_the_model_params_keeps_fp32_bits():
+    model = bf16_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    masters = MasterWeights(opt)
+    for _ in range(2):
+        model(torch.randn(2, 8, dtype=torch.bfloat16)).float().sum().backward()
+        masters.move_grads()
+        opt.step()
+        opt.zero_grad()
+    with masters.as_model_params():
+        saved = copy.deepcopy(opt.state_dict())
+        assert model[0].weight.dtype == torch.float32  # shows the master's values for the block
+    assert model[0].weight.dtype == torch.bfloat16
+    fresh_model = bf16_model()
+    fresh = torch.optim.Adam(fresh_model.parameters(), lr=1e-3)
+    fresh_masters = MasterWeights(fresh)
+    with fresh_masters.as_model_params():
+        fresh.load_state_dict(saved)
+    for i, master in enumerate(fresh.param_groups[0]["params"]):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert fresh.state[master][key].dtype == torch.float32
+            assert torch.equal(fresh.state[master][key], saved["state"][i][key])  # no trip through bf16
