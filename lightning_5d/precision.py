@@ -348,7 +348,9 @@ class FiveDPrecision(Precision):
 
     def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
         out = optimizer.step(closure=partial(self._wrap_closure, model, optimizer, closure), **kwargs)
-        if self._fp8_root is not None and self.backend == Fp8Backend.TORCH:
+        delayed = self.fp8 is not None and self.fp8.recipe == Fp8Recipe.DELAYED
+        if delayed and self._fp8_root is not None and self.backend == Fp8Backend.TORCH:
+            # Only delayed scaling keeps histories: the other recipes skip the walk over the modules.
             from lightning_5d.fp8.convert import advance_fp8_histories
 
             # Delayed scaling: the step's amaxes, the max over the data ranks (so every rank keeps the
