@@ -16,6 +16,7 @@ from lightning_5d.config import (
 )
 from lightning_5d.fp8.recipes import Fp8Backend, Fp8Recipe
 from lightning_5d.precision import FiveDPrecision, PrecisionError
+from lightning_5d.requeue import AutoRequeue
 from lightning_5d.strategy import FiveDStrategy
 
 if FiveDStrategy.strategy_name not in StrategyRegistry:
@@ -23,6 +24,7 @@ if FiveDStrategy.strategy_name not in StrategyRegistry:
 
 __all__ = [
     "ActivationCheckpointing",
+    "AutoRequeue",
     "FiveDPrecision",
     "FiveDStrategy",
     "Fp8Backend",

@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run `l5d train --help` for the recipe runner's config groups.",
     )
     parser.add_argument("--version", action="version", version=f"lightning_5d {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{train,estimate,plan,schedule}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,estimate,plan,schedule,export}")
     sub.add_parser(
         "train",
         help=TRAIN_HELP,
@@ -64,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=_unavailable("schedule", err))
     else:
         pipeline_view.register(sub)
+    try:
+        from lightning_5d.checkpoint import export as export_cli
+    except ImportError as err:
+        p = sub.add_parser("export", help=f"consolidate a checkpoint (unavailable: {err})")
+        p.set_defaults(func=_unavailable("export", err))
+    else:
+        export_cli.register(sub)
     return parser
 
 

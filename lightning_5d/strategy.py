@@ -4,6 +4,7 @@ layout validation to ``config``, ranks and groups to ``mesh``, sharding to ``par
 
 from __future__ import annotations
 
+import os
 from contextlib import ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Generator, Mapping
@@ -28,7 +29,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_5d import checkpoint as ckpt
+from lightning_5d.checkpoint.data_position import ResumableLoader
+from lightning_5d.checkpoint.pretrained import PretrainedLoad, load_pretrained
+from lightning_5d.checkpoint.strategy_io import CheckpointFormat, CheckpointWrite, StrategyCheckpoints
 from lightning_5d.auto_layout import planned_config
 from lightning_5d.config import (
     ActivationCheckpointing,
@@ -85,6 +88,11 @@ class FiveDStrategy(ParallelStrategy):
         pipeline: Mapping[str, Any] | None = None,
         context: Mapping[str, Any] | None = None,
         expert: Mapping[str, Any] | None = None,
+        checkpoint_format: str | CheckpointFormat = CheckpointFormat.SHARDED,
+        checkpoint_write: str | CheckpointWrite = CheckpointWrite.SYNC,
+        keep_last_k: int | None = None,
+        pretrained: str | os.PathLike | None = None,
+        pretrained_prefix: str | None = None,
         *,
         config: ParallelConfig | None = None,
         process_group_backend: str | None = None,
@@ -113,7 +121,7 @@ class FiveDStrategy(ParallelStrategy):
         self._timeout = timeout
         self._layout: Layout | None = None
         self._mesh: ParallelMesh | None = None
-        self._zero: ZeroDataParallel | ZeroSet | None = None
+        self._zero: ZeroSet | None = None
         self._fsdp_units: list = []
         self._tp: TensorParallel | None = None
         self._tp_sharded_ids: set[int] = set()
@@ -124,6 +132,10 @@ class FiveDStrategy(ParallelStrategy):
         self._ep: ExpertParallel | None = None
         self._in_backward_sync_block = False
         self._parallelized: torch.nn.Module | None = None
+        self._checkpoints = StrategyCheckpoints(self, checkpoint_format, checkpoint_write, keep_last_k)
+        # Weights to start from (a plain or Hugging Face state dict), read once after parallelizing.
+        self._pretrained = (pretrained, pretrained_prefix) if pretrained is not None else None
+        self.pretrained_load: PretrainedLoad | None = None  # what was loaded: names, prefix, groups
         self.num_nodes = 1
 
     @property
@@ -273,6 +285,12 @@ class FiveDStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._parallelize(self.lightning_module)
+        if self._pretrained is not None:
+            # Each rank reads only its own pieces; a ckpt_path given to fit is restored after
+            # setup and so still wins over these weights.
+            path, prefix = self._pretrained
+            self.pretrained_load = load_pretrained(self, path, prefix=prefix)
+            self._pretrained = None  # a later fit/validate on this Trainer keeps the trained weights
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -390,7 +408,7 @@ class FiveDStrategy(ParallelStrategy):
                 ]
             )
         elif self.mesh.size("dp_cp") > 1:
-            self._zero = ZeroDataParallel(
+            engine = ZeroDataParallel(
                 module,
                 self.mesh,
                 self.config.zero,
@@ -398,6 +416,7 @@ class FiveDStrategy(ParallelStrategy):
                 reduce_dtype=precision.reduce_dtype if precision is not None else None,
                 accumulate_in_masters=precision is not None and precision.fp32_accumulation,
             )
+            self._zero = ZeroSet([engine])
         # else: no data-parallel peers, nothing to reduce or shard: plain single-rank training.
 
     @override
@@ -693,6 +712,7 @@ class FiveDStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        self._checkpoints.wait()
         if self._zero is not None:
             self._zero.active = False  # hooks stay for a later fit/validate with this Trainer
         assert self.cluster_environment is not None and self.accelerator is not None
@@ -702,79 +722,47 @@ class FiveDStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ checkpoints
     @property
-    def _splits(self) -> list:
-        """The dims that split the model beyond data parallelism, each with full_state / local_state."""
-        return [s for s in (self._tp, self._ep, self._pp) if s is not None]
+    def checkpoints(self) -> StrategyCheckpoints:
+        return self._checkpoints
+
+    def full_model_state(self) -> dict[str, Any]:
+        """Every tensor at its full shape, on every rank, whatever the layout (a collective)."""
+        return self._checkpoints.full_model_state()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        splits = self._splits
-        state = ckpt.full_model_state(self.lightning_module, sharded=bool(self._fsdp_units), every_rank=bool(splits))
-        for split in splits:  # tp shards, then ep's experts, then the other pipeline stages
-            state = split.full_state(state)
-        return state
+        return self._checkpoints.model_state()
 
     @override
     def optimizer_state(self, optimizer) -> dict[str, Any]:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)
-        for dim, split in (("pp", self._pp is not None), ("ep", self._ep is not None and self._ep.ep > 1)):
-            if split:
-                raise ckpt.CheckpointError(
-                    f"saving optimizer state under {dim} > 1 is not supported yet (each {dim} rank holds its own "
-                    f"part); save weights only (ModelCheckpoint(save_weights_only=True)) or train with {dim}=1."
-                )
-        with self._keyed_by_model_params(optimizer):
-            if self._zero is None:  # FSDP2, or no data-parallel peers: torch's own full format
-                state = ckpt.dcp_optimizer_state(self.lightning_module, optimizer, every_rank=self._tp is not None)
-            else:
-                state = self._zero.full_optimizer_state(optimizer)
-        return self._tp.full_optimizer_state(state) if self._tp is not None else state
+        return self._checkpoints.optimizer_state(optimizer)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        # Every rank gathered full tensors in dump_checkpoint; rank 0 writes, and everyone
-        # learns whether that worked, so a failed write cannot leave the others hanging.
-        error = None
-        if self.is_global_zero:
-            try:
-                ckpt.atomic_save(checkpoint, filepath, self.checkpoint_io, storage_options)
-            except Exception as err:
-                error = f"{type(err).__name__}: {err}"
-        error = self.broadcast(error)
-        if error is not None:
-            raise ckpt.CheckpointError(f"rank 0 could not write checkpoint {filepath}: {error}")
+        self._checkpoints.save(checkpoint, filepath, storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath) -> None:
+        self._checkpoints.remove(filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        return ckpt.load_file(self.checkpoint_io, checkpoint_path, weights_only)
+        return self._checkpoints.load(checkpoint_path, weights_only)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        state = checkpoint["state_dict"]
-        for split in self._splits:  # a full checkpoint: this rank keeps its own pieces
-            state = split.local_state(state)
-        ckpt.load_full_model_state(self.lightning_module, state, bool(self._fsdp_units), strict)
-        if self._zero is not None:
-            self._zero.refresh_masters()
-        if self._five_d_precision is not None:
-            self._five_d_precision.refresh_masters()
+        self._checkpoints.load_model(checkpoint, strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        states = checkpoint["optimizer_states"]
-        if len(states) != len(self.optimizers):
-            raise ckpt.CheckpointError(
-                f"the checkpoint holds {len(states)} optimizer states but configure_optimizers returned "
-                f"{len(self.optimizers)} optimizers."
-            )
-        for optimizer, state in zip(self.optimizers, states):
-            if self._tp is not None:
-                state = self._tp.local_optimizer_state(state)
-            with self._keyed_by_model_params(optimizer):
-                if self._zero is None:
-                    ckpt.load_dcp_optimizer_state(self.lightning_module, optimizer, state)
-                else:
-                    self._zero.load_full_optimizer_state(optimizer, state)
+        self._checkpoints.load_optimizers(checkpoint)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.training:
+            return dataloader
+        return ResumableLoader(dataloader, trainer)
 
     def _keyed_by_model_params(self, optimizer):
         """fp32 masters stand in for bf16 parameters in the optimizer; checkpoints name the parameters."""

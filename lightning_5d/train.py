@@ -125,10 +125,51 @@ def validate(cfg: DictConfig):
             precision_plugins(cfg.precision, OmegaConf.to_container(options, resolve=True) if options else None)
         except (TypeError, ValueError) as err:
             raise ConfigError(f"precision: {err}") from None
+    _check_requeue(cfg)
+    _check_checkpoint(cfg)
     mode = cfg.launcher.mode
     if mode not in ("auto", "torchrun", "inprocess"):
         raise ConfigError(f"launcher.mode={mode!r} must be one of 'auto', 'torchrun', 'inprocess'.")
     return layout
+
+
+def _check_checkpoint(cfg: DictConfig) -> None:
+    """The ``checkpoint:`` keys, before any process starts."""
+    from lightning_5d.checkpoint.strategy_io import checked_options
+    from lightning_5d.worker import checkpoint_options
+
+    section = OmegaConf.to_container(cfg.checkpoint, resolve=True) if "checkpoint" in cfg else None
+    try:
+        options = checkpoint_options(section or {})
+        checked_options(options.get("checkpoint_format", "sharded"), options.get("checkpoint_write", "sync"),
+                        options.get("keep_last_k"))  # fmt: skip
+    except ValueError as err:
+        raise ConfigError(f"checkpoint: {err}") from None
+    pretrained = options.get("pretrained")
+    if pretrained is not None and not Path(pretrained).exists():
+        raise ConfigError(
+            f"checkpoint.pretrained={pretrained!r} does not exist; pass a .safetensors/.pt file or a folder."
+        )
+
+
+def _check_requeue(cfg: DictConfig) -> None:
+    """The ``requeue:`` and ``resume:`` keys, here rather than in every worker."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from lightning_5d.requeue import RequeueConfigError, validate_job
+
+    # The default requeue.dirpath names ${hydra:...} values, which exist only inside a Hydra
+    # job; a config from compose() alone is checked with them unresolved.
+    resolve = HydraConfig.initialized()
+    keys: dict[str, Any] = {}
+    for key in ("requeue", "resume"):
+        if key in cfg:
+            value = cfg[key]
+            keys[key] = OmegaConf.to_container(value, resolve=resolve) if OmegaConf.is_config(value) else value
+    try:
+        validate_job(keys)
+    except RequeueConfigError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _check_pipeline(cfg: DictConfig, parallel: Any, pp: int) -> None:

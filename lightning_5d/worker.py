@@ -73,24 +73,39 @@ def run(cfg: Mapping[str, Any], run_dir: str | Path) -> Optional[dict]:
     # Lightning 2.6's own use of a deprecated torch pytree API, printed once per rank.
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
 
+    from lightning_5d.requeue import job_setup
+
+    requeue = job_setup(cfg, plugins)
+    plugins.extend(requeue.plugins)
     trainer = L.Trainer(
         devices=devices,
         num_nodes=num_nodes,
-        strategy=FiveDStrategy.from_config(parallel),
+        strategy=FiveDStrategy.from_config(parallel, **checkpoint_options(cfg.get("checkpoint") or {})),
         precision=precision,
         default_root_dir=str(run_dir),
         enable_progress_bar=False,
-        callbacks=[report],
+        callbacks=[report, *requeue.callbacks],
         plugins=plugins,
         **trainer_kwargs,
     )
-    trainer.fit(model, datamodule=data)
+    trainer.fit(model, datamodule=data, ckpt_path=requeue.ckpt_path)
+    requeue.after_fit()
     summary = run_dir / "summary.json"
     if trainer.global_rank == 0 and summary.is_file():
         import json
 
         return json.loads(summary.read_text())
     return None
+
+
+def checkpoint_options(section: Mapping[str, Any]) -> dict[str, Any]:
+    """conf's ``checkpoint:`` section -> FiveDStrategy keyword arguments."""
+    names = {"format": "checkpoint_format", "write": "checkpoint_write", "keep_last_k": "keep_last_k",
+             "pretrained": "pretrained", "pretrained_prefix": "pretrained_prefix"}  # fmt: skip
+    unknown = sorted(set(section) - set(names))
+    if unknown:
+        raise ValueError(f"unknown checkpoint option(s) {unknown}; valid: {sorted(names)}")
+    return {names[k]: v for k, v in section.items() if v is not None}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -108,3 +123,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -421,40 +421,19 @@ class ZeroDataParallel:
         self._aliased = False
 
     # ------------------------------------------------------------------ checkpoints
-    def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        """The optimizer's state keyed by parameter name, every slice gathered to its full
-        shape: the format of torch.distributed.checkpoint's full optimizer state dict, so
-        checkpoints move between ZeRO stages (FSDP2 writes and reads the same format)."""
-        state = optimizer.state_dict()
-        params = _flat_params(optimizer)
-        names = [self._name_of(p) for p in params]
-        full_state = {}
-        for idx, entry in state["state"].items():
-            shape = self._param_of(params[idx]).shape
-            full_state[names[idx]] = {
-                k: v.full_tensor().reshape(shape) if isinstance(v, DTensor) else v for k, v in entry.items()
-            }
-        groups = [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]
-        return {"state": full_state, "param_groups": groups}
+    def name_of(self, p: torch.Tensor) -> str:
+        """The module parameter name behind an optimizer parameter (a master slice or itself)."""
+        return self._names[id(self._param_of(p))]
 
-    def load_full_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        params = _flat_params(optimizer)
-        index = {self._name_of(p): i for i, p in enumerate(params)}
-        if len(state["param_groups"]) != len(optimizer.param_groups):
-            raise ValueError(
-                f"the checkpoint's optimizer has {len(state['param_groups'])} parameter groups, this one "
-                f"{len(optimizer.param_groups)}; configure_optimizers must build the same groups to resume."
-            )
-        missing = sorted(set(state["state"]) - set(index))
-        if missing:
-            raise ValueError(f"the checkpoint has optimizer state for unknown parameters {missing[:3]}...")
-        local_state = {}
-        for name, entry in state["state"].items():
-            p = params[index[name]]
-            s = self._shard_of.get(id(self._param_of(p)))
-            local_state[index[name]] = {k: self._localize(v, p, s) for k, v in entry.items()}
-        groups = [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]
-        optimizer.load_state_dict({"state": local_state, "param_groups": groups})
+    def full_value(self, p: torch.Tensor, value: Any) -> Any:
+        """One optimizer-state value of ``p`` at the parameter's full shape (collective over dp for slices)."""
+        if isinstance(value, DTensor):
+            return value.full_tensor().reshape(self._param_of(p).shape)
+        return value
+
+    def local_value(self, p: torch.Tensor, value: Any) -> Any:
+        """A full-shape optimizer-state value -> the slice ``p`` holds (no communication)."""
+        return self._localize(value, p, self._shard_of.get(id(self._param_of(p))))
 
     def _localize(self, value, p: torch.Tensor, s: _ParamShard | None):
         if not isinstance(value, torch.Tensor) or value.dim() == 0 or s is None or p is s.param:
@@ -470,9 +449,6 @@ class ZeroDataParallel:
         """The module parameter behind an optimizer parameter (a master slice or itself)."""
         s = self._shard_of.get(id(p))
         return s.param if s is not None else p
-
-    def _name_of(self, p: torch.Tensor) -> str:
-        return self._names[id(self._param_of(p))]
 
     def remove(self) -> None:
         for h in self._hooks + self._optimizer_hooks:

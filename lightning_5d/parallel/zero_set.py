@@ -56,17 +56,43 @@ class ZeroSet:
         return names
 
     def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        return self._single("save").full_optimizer_state(optimizer)
+        """The optimizer's state keyed by parameter name, every slice gathered to its full shape:
+        torch.distributed.checkpoint's full optimizer format, which FSDP2 writes and reads too,
+        so checkpoints move between ZeRO stages."""
+        state = optimizer.state_dict()
+        params = _flat_params(optimizer)
+        owners = [self._owner(p) for p in params]
+        names = [e.name_of(p) for e, p in zip(owners, params)]
+        full_state = {
+            names[i]: {k: owners[i].full_value(params[i], v) for k, v in entry.items()}
+            for i, entry in state["state"].items()
+        }
+        groups = [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]
+        return {"state": full_state, "param_groups": groups}
 
     def load_full_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        self._single("load").load_full_optimizer_state(optimizer, state)
-
-    def _single(self, verb: str) -> ZeroDataParallel:
-        if len(self.engines) > 1:
-            from lightning_5d.checkpoint import CheckpointError
-
-            raise CheckpointError(
-                f"cannot {verb} optimizer state under ep > 1 yet (expert and dense slices live on different "
-                f"groups); save weights only (ModelCheckpoint(save_weights_only=True)) or train with ep=1."
+        params = _flat_params(optimizer)
+        owners = [self._owner(p) for p in params]
+        index = {e.name_of(p): i for i, (e, p) in enumerate(zip(owners, params))}
+        if len(state["param_groups"]) != len(optimizer.param_groups):
+            raise ValueError(
+                f"the checkpoint's optimizer has {len(state['param_groups'])} parameter groups, this one "
+                f"{len(optimizer.param_groups)}; configure_optimizers must build the same groups to resume."
             )
-        return self.engines[0]
+        unknown = sorted(set(state["state"]) - set(index))
+        if unknown:
+            raise ValueError(f"the checkpoint has optimizer state for unknown parameters {unknown[:3]}...")
+        local_state = {}
+        for name, entry in state["state"].items():
+            i = index[name]
+            local_state[i] = {k: owners[i].local_value(params[i], v) for k, v in entry.items()}
+        groups = [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]
+        optimizer.load_state_dict({"state": local_state, "param_groups": groups})
+
+    def _owner(self, p: torch.Tensor) -> ZeroDataParallel:
+        # A parameter no engine slices (a frozen one) is named by any engine: all see the whole module.
+        return next((e for e in self.engines if e.holds(p)), self.engines[0])
+
+
+def _flat_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]

@@ -274,7 +274,7 @@ if args.case.startswith("hf_"):
     leave_process_group()
 # rope_cache and manual only from here: compare with the model trained in one process.
 losses = [x.item() for x in module.losses]
-state = trainer.strategy.lightning_module_state_dict()
+state = trainer.strategy.full_model_state()
 if dist.get_rank() == 0:
     L.seed_everything(0, verbose=False)
     ref = LM(CacheModel())

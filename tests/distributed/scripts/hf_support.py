@@ -66,10 +66,13 @@ class CausalLM(L.LightningModule):
 
 
 def hf_reference_run(name: str, steps: int, data_ranks: int, dtype=torch.float32, layers: int = 2,
-                     batch_size: int = BATCH_SIZE):  # fmt: skip
-    """One process, same init and the same global batches as the multi-process run."""
+                     batch_size: int = BATCH_SIZE, initial_state: dict | None = None):  # fmt: skip
+    """One process, same init (or ``initial_state`` for the HF model) and the same global
+    batches as the multi-process run."""
     L.seed_everything(0, verbose=False)
     module = CausalLM(name, layers).to(dtype)
+    if initial_state is not None:
+        module.model.load_state_dict(initial_state)
     dm = make_datamodule(batch_size=batch_size)
     dm.setup("fit")
     dataset = dm.train_dataset

@@ -4,6 +4,7 @@ import json
 from dataclasses import asdict, replace
 from pathlib import Path
 
+import lightning as L
 import torch
 
 from lightning_5d.models import LlamaConfig, LlamaLM, TextDataModule
@@ -79,3 +80,14 @@ def assert_equivalent(losses, params, ref_losses, ref_params):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=LOSS_RTOL, atol=0)
     error = parameter_vector_error(params, ref_params)
     assert error <= PARAM_RTOL, f"parameters differ by {error:.2e} relative"
+
+
+class RecordReturned(L.Callback):
+    """The loss every rank got back from training_step (under pp the step runs per microbatch
+    on the last stage only, and the strategy hands the loss to every rank)."""
+
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(outputs["loss"].detach().clone().float())

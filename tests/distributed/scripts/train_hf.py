@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import lightning_5d
 from hf_support import CausalLM
-from tests_support import make_datamodule
+from tests_support import RecordReturned, make_datamodule
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", required=True, choices=["llama", "qwen2", "gpt2", "mixtral", "qwen2_moe"])
@@ -45,16 +45,6 @@ strategy = lightning_5d.FiveDStrategy(
 )
 
 
-class RecordReturned(L.Callback):
-    """Under pp the step runs per microbatch on the last stage: record what every rank got back."""
-
-    def __init__(self):
-        self.losses = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(outputs["loss"].detach().clone().float())
-
-
 returned = RecordReturned()
 trainer = L.Trainer(
     accelerator="cpu",
@@ -75,7 +65,7 @@ assert module.model.config._attn_implementation != "lightning_5d_ring", module.m
 losses = torch.stack(module.losses if args.pp == 1 else returned.losses)
 dist.all_reduce(losses, group=strategy.mesh.group("dp"))
 losses /= strategy.mesh.data_size
-state = strategy.lightning_module_state_dict()
+state = strategy.full_model_state()
 if dist.get_rank() == 0:
     out = Path(args.out)
     torch.save({k: v.detach().clone() for k, v in state.items()}, out / "params.pt")

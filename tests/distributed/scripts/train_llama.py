@@ -7,6 +7,7 @@ final full parameters, and each rank's model-state bytes measured before the 2nd
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import lightning as L
@@ -48,6 +49,11 @@ parser.add_argument("--accumulation-dtype", default="bf16")
 parser.add_argument("--num-samples", type=int, default=None)
 parser.add_argument("--max-epochs", type=int, default=None, help="train whole epochs instead of --steps")
 parser.add_argument("--save", action="store_true", help="ModelCheckpoint: epoch=N.ckpt in --out at each epoch end")
+parser.add_argument("--save-every", type=int, default=0, help="ModelCheckpoint: step=N.ckpt every N steps")
+parser.add_argument("--checkpoint-format", default="sharded", choices=["sharded", "full"])
+parser.add_argument("--checkpoint-write", default="sync", choices=["sync", "async"])
+parser.add_argument("--keep-last-k", type=int, default=None)
+parser.add_argument("--kill-during-save", type=int, default=0, help="SIGKILL the last rank mid-write at this step")
 parser.add_argument("--resume", default=None, help="checkpoint to resume from (Trainer.fit ckpt_path)")
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
@@ -97,6 +103,9 @@ else:
         sequence_parallel=args.sp,
         zero=int(args.zero),
         activation_checkpointing=args.ac,
+        checkpoint_format=args.checkpoint_format,
+        checkpoint_write=args.checkpoint_write,
+        keep_last_k=args.keep_last_k,
         bucket_size_mb=0.05,
     )
 
@@ -116,6 +125,9 @@ logged_losses = RecordLogged()
 callbacks = [measure, logged_losses]
 if args.save:
     callbacks.append(ModelCheckpoint(dirpath=args.out, filename="{epoch}", save_top_k=-1, save_on_train_epoch_end=True))
+if args.save_every:
+    every = ModelCheckpoint(dirpath=args.out, filename="{step}", save_top_k=-1, every_n_train_steps=args.save_every)
+    callbacks.append(every)
 precision, plugins = args.precision, []
 if args.precision.startswith("fp8") or args.reduce_dtype != "fp32" or args.accumulation_dtype != "bf16":
     fp8 = {"fp8": {"fp8_all_gather": True}} if args.fp8_all_gather else {}
@@ -123,18 +135,31 @@ if args.precision.startswith("fp8") or args.reduce_dtype != "fp32" or args.accum
     dtypes = {"reduce_dtype": args.reduce_dtype, "accumulation_dtype": args.accumulation_dtype}
     plugin = lightning_5d.FiveDPrecision.from_string(args.precision, **dtypes, **fp8, **guard)
     precision, plugins = None, [plugin]
+if args.kill_during_save:
+    import signal
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    write_data = FileSystemWriter.write_data
+
+    def write_then_die(self, plan, planner):
+        if trainer.global_step == args.kill_during_save and dist.get_rank() == dist.get_world_size() - 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or a node failure would
+        return write_data(self, plan, planner)
+
+    FileSystemWriter.write_data = write_then_die
 trainer = L.Trainer(
     accelerator="cpu",
     strategy=strategy,
     plugins=plugins,
-    devices=int(__import__("os").environ["WORLD_SIZE"]),
+    devices=int(os.environ["WORLD_SIZE"]),
     precision=precision,
     max_steps=-1 if args.max_epochs else args.steps,
     max_epochs=args.max_epochs,
     accumulate_grad_batches=args.accumulate,
     gradient_clip_val=args.clip,
     logger=False,
-    enable_checkpointing=args.save,
+    enable_checkpointing=args.save or bool(args.save_every),
     enable_progress_bar=False,
     enable_model_summary=False,
     limit_val_batches=args.val_batches,
@@ -149,7 +174,7 @@ strategy = trainer.strategy
 losses = torch.stack(model.losses if args.pp == 1 else logged_losses.losses)
 dist.all_reduce(losses, group=strategy.mesh.group("dp"))
 losses /= strategy.mesh.data_size
-state = strategy.lightning_module_state_dict()  # full tensors, whatever the layout
+state = strategy.full_model_state()  # full tensors, whatever the layout
 per_rank = [None] * dist.get_world_size()
 logged = trainer.callback_metrics.get("train_loss")  # what the unchanged training_step logged last
 record = {

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from lightning_5d.checkpoint import CheckpointError
 from lightning_5d.config import ZeroStage
 from lightning_5d.parallel.zero_set import ZeroSet
 
@@ -35,12 +34,16 @@ class FakeEngine:
     def holds(self, p):
         return id(p) in self.held
 
-    def full_optimizer_state(self, optimizer):
-        self.calls.append(("full_optimizer_state", optimizer))
-        return {"from": self.name}
+    def name_of(self, p):
+        return self.names[id(p)]
 
-    def load_full_optimizer_state(self, optimizer, state):
-        self.calls.append(("load_full_optimizer_state", optimizer, state))
+    def full_value(self, p, value):
+        self.calls.append("full_value")
+        return value * 10 if isinstance(value, torch.Tensor) and value.dim() else value  # "gathered"
+
+    def local_value(self, p, value):
+        self.calls.append("local_value")
+        return value / 10 if isinstance(value, torch.Tensor) and value.dim() else value
 
 
 def _two():
@@ -103,16 +106,26 @@ def test_a_frozen_parameter_no_engine_holds_is_allowed():
     assert a.calls == [("shard_optimizer", optimizer)] and b.calls == [("shard_optimizer", optimizer)]
 
 
-def test_full_optimizer_state_needs_a_single_engine():
+def test_optimizer_state_round_trips_through_each_parameters_own_engine():
+    dense, expert, a, b = _two()
+    optimizer = torch.optim.SGD([dense, expert], lr=0.1, momentum=0.9)
+    dense.grad, expert.grad = torch.ones_like(dense), torch.ones_like(expert)
+    optimizer.step()
+    full = ZeroSet([a, b]).full_optimizer_state(optimizer)
+    assert set(full["state"]) == {"layer.weight", "moe.experts.0.weight"}
+    assert full["param_groups"][0]["params"] == ["layer.weight", "moe.experts.0.weight"]
+    torch.testing.assert_close(full["state"]["layer.weight"]["momentum_buffer"], torch.full((2, 3), 10.0))
+    assert a.calls.count("full_value") == 1 and b.calls.count("full_value") == 1
+
+    fresh = torch.optim.SGD([dense, expert], lr=0.1, momentum=0.9)
+    ZeroSet([a, b]).load_full_optimizer_state(fresh, full)
+    torch.testing.assert_close(fresh.state[expert]["momentum_buffer"], torch.ones(4))
+    assert a.calls.count("local_value") == 1 and b.calls.count("local_value") == 1
+
+
+def test_loading_state_for_an_unknown_parameter_is_refused():
     dense, expert, a, b = _two()
     optimizer = torch.optim.SGD([dense, expert], lr=0.1)
-    with pytest.raises(CheckpointError, match="cannot save optimizer state under ep > 1"):
-        ZeroSet([a, b]).full_optimizer_state(optimizer)
-    with pytest.raises(CheckpointError, match="cannot load optimizer state under ep > 1"):
-        ZeroSet([a, b]).load_full_optimizer_state(optimizer, {})
-    assert a.calls == [] and b.calls == []
-
-    single = ZeroSet([a])
-    assert single.full_optimizer_state(optimizer) == {"from": "dense"}
-    single.load_full_optimizer_state(optimizer, {"x": 1})
-    assert a.calls == [("full_optimizer_state", optimizer), ("load_full_optimizer_state", optimizer, {"x": 1})]
+    state = {"state": {"ghost.weight": {}}, "param_groups": [{"params": ["ghost.weight"], "lr": 0.1}]}
+    with pytest.raises(ValueError, match="unknown parameters"):
+        ZeroSet([a, b]).load_full_optimizer_state(optimizer, state)

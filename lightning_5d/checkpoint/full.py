@@ -1,10 +1,9 @@
-"""Checkpoint files for the 5D strategy.
+"""The full format: one Lightning checkpoint file, every tensor gathered to its full shape.
 
-Today's format is layout-independent: every tensor is gathered to its full shape and the
-optimizer state is keyed by parameter name (torch.distributed.checkpoint's full format,
-which every ZeRO stage writes and reads), so a checkpoint written under one data-parallel
-layout loads under any other. Local files are written to a temporary name and renamed,
-so a crash mid-save never leaves a truncated file under the final name.
+The optimizer state is keyed by parameter name (torch.distributed.checkpoint's full
+format, which every ZeRO stage writes and reads), so the file loads under any layout and
+into plain Lightning. Rank 0 writes it under a temporary name and renames it, so a crash
+mid-save never leaves a truncated file under the final name.
 """
 
 from __future__ import annotations
@@ -24,13 +23,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from lightning_5d.checkpoint.errors import CheckpointError
+from lightning_5d.checkpoint.files import is_local, partial_path, update_latest
+
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 only, on CPU
 # Every rank gets full-over-data tensors: tensor parallelism still has to gather its shards.
 _FULL_EVERY_RANK = StateDictOptions(full_state_dict=True, cpu_offload=False)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be read; the message names the file and what to do."""
 
 
 def full_model_state(module: nn.Module, sharded: bool, every_rank: bool = False) -> dict[str, Any]:
@@ -46,33 +44,37 @@ def load_full_model_state(module: nn.Module, state: Mapping[str, Any], sharded: 
         module.load_state_dict(state, strict=strict)
 
 
-def dcp_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, every_rank: bool = False) -> dict[str, Any]:
+def dcp_optimizer_state(
+    module: nn.Module, optimizer: torch.optim.Optimizer, every_rank: bool = False
+) -> dict[str, Any]:
     return get_optimizer_state_dict(module, optimizer, options=_FULL_EVERY_RANK if every_rank else _FULL)
+
+
+def sharded_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Name-keyed, FSDP2's shards left as DTensors (for the sharded format to write as they are)."""
+    return get_optimizer_state_dict(module, optimizer)
 
 
 def load_dcp_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
     set_optimizer_state_dict(module, optimizer, dict(state), options=StateDictOptions(full_state_dict=True))
 
 
-def _is_local(filepath: str | os.PathLike) -> bool:
-    return "://" not in str(filepath)
-
-
 def atomic_save(checkpoint: dict[str, Any], filepath: str | os.PathLike, checkpoint_io, storage_options=None) -> None:
     # The rename is only atomic, and only safe, for a synchronous write to a local file:
     # remote URLs and asynchronous checkpoint IO go straight through.
-    if not (_is_local(filepath) and type(checkpoint_io) is TorchCheckpointIO):
+    if not (is_local(filepath) and type(checkpoint_io) is TorchCheckpointIO):
         checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         return
     path = Path(filepath)
-    tmp = path.with_name(f".{path.name}.partial")
+    tmp = partial_path(path)
     checkpoint_io.save_checkpoint(checkpoint, tmp, storage_options=storage_options)
     os.replace(tmp, path)
+    update_latest(path)
 
 
 def load_file(checkpoint_io, filepath: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
-    path = Path(filepath) if _is_local(filepath) else filepath
-    if _is_local(filepath) and not path.is_file():
+    path = Path(filepath) if is_local(filepath) else filepath
+    if is_local(filepath) and not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist (or is a directory); pass the path of a .ckpt file.")
     try:
         return checkpoint_io.load_checkpoint(path, weights_only=weights_only)

@@ -1,0 +1,220 @@
+"""The sharded format on disk: torch.distributed.checkpoint files, plus what is not a tensor.
+
+Layout of one checkpoint directory::
+
+    .metadata, __<rank>_0.distcp   DCP: every rank writes the tensors it owns
+    meta.pt                        Lightning's checkpoint minus the tensors above (loops,
+                                   callbacks, schedulers, precision state), read weights_only
+    layout.json                    the layout that wrote it, and Hugging Face details if any
+    COMPLETE                       written last: the writers all finished
+
+Tensor keys are the unsplit model's names, so any layout can ask for the pieces it needs:
+``model.<LightningModule state_dict key>``, ``optim.<i>.state.<param name>.<stat>`` and
+``rng.<rank>.<generator>``. Nothing here unpickles arbitrary objects: DCP's tensor payloads
+are read with ``weights_only``, ``meta.pt`` too, and ``.metadata`` through an unpickler that
+only builds DCP's own metadata classes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import pickle
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from lightning_5d.checkpoint.errors import CheckpointError
+from lightning_5d.checkpoint.files import COMPLETE
+
+FORMAT_VERSION = 1
+META = "meta.pt"
+LAYOUT = "layout.json"
+MODEL = "model."
+OPTIM = "optim."
+RNG = "rng."
+
+# The classes DCP's .metadata pickle may build; anything else is refused, not executed.
+_SAFE_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.distributed.checkpoint._extension": {"ExtensionRegistry"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size", "strided", "sparse_coo"}
+    | {str(d).split(".")[-1] for d in torch.__dict__.values() if isinstance(d, torch.dtype)},
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "slice"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _SAFE_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader with its one raw ``pickle.load`` replaced by an allow-list."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self.path) / ".metadata"
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except FileNotFoundError as err:
+            raise CheckpointError(
+                f"{self.path} has no .metadata: not a sharded checkpoint, or an unfinished one."
+            ) from err
+        except Exception as err:
+            raise CheckpointError(
+                f"{path} could not be read ({type(err).__name__}: {err}); the checkpoint is corrupt or was not "
+                f"written by torch.distributed.checkpoint. Resume from an earlier one; nothing was changed."
+            ) from err
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP metadata.")
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+    return Path(path).is_dir() and (Path(path) / ".metadata").exists()
+
+
+def tensor_shapes(path: str | os.PathLike) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """key -> (full size, dtype) of every tensor stored in a sharded checkpoint."""
+    metadata = SafeReader(str(path)).read_metadata()
+    return {
+        k: (m.size, m.properties.dtype)
+        for k, m in metadata.state_dict_metadata.items()
+        if isinstance(m, TensorStorageMetadata)
+    }
+
+
+def check_complete(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist; pass a checkpoint directory or .ckpt file.")
+    if not (path / COMPLETE).is_file():
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete (no {COMPLETE} marker: its save never finished). Resume from "
+            f"the folder's `latest` instead (lightning_5d.checkpoint.latest_checkpoint({str(path.parent)!r}))."
+        )
+    for name in (".metadata", META, LAYOUT):
+        if not (path / name).is_file():
+            raise CheckpointError(f"checkpoint {path} lacks {name}; it is truncated. Resume from an earlier one.")
+    return path
+
+
+# ---------------------------------------------------------------------------- writing
+def write_tensors(
+    tensors: dict[str, torch.Tensor], directory: Path, group: Any | None = None, asynchronous: bool = False
+) -> Future | None:
+    """Every rank calls this with the tensors it holds; keys several ranks hold are written once."""
+    writer = FileSystemWriter(str(directory), single_file_per_rank=True, sync_files=True)
+    if asynchronous:
+        # Training goes on changing these tensors in place while the writer thread runs; DCP does
+        # not stage CPU tensors, so the copy taken here is what gets written.
+        staged = {k: v.detach().clone() for k, v in tensors.items()}
+        return dcp.async_save(staged, storage_writer=writer, process_group=group)
+    dcp.save(tensors, storage_writer=writer, process_group=group)
+    return None
+
+
+def write_extras(directory: Path, meta: Mapping[str, Any], layout: Mapping[str, Any]) -> None:
+    """Rank 0, after every rank's tensors are on disk; COMPLETE goes last."""
+    torch.save(dict(meta), directory / META)
+    (directory / LAYOUT).write_text(json.dumps({"format": FORMAT_VERSION, **layout}, indent=1, default=str))
+    with open(directory / COMPLETE, "w") as f:
+        f.write("ok\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ---------------------------------------------------------------------------- reading
+def read_meta(path: str | os.PathLike) -> dict[str, Any]:
+    path = check_complete(path)
+    try:
+        with torch.serialization.safe_globals(_lightning_safe_globals()):
+            return torch.load(path / META, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise CheckpointError(
+            f"{path / META} could not be read safely ({type(err).__name__}: {err}). If it names a class of "
+            f"yours stored in hyper-parameters, allow it with torch.serialization.add_safe_globals([...]); "
+            f"otherwise the file is corrupt. Nothing was changed."
+        ) from err
+
+
+def read_layout(path: str | os.PathLike) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        return json.loads((path / LAYOUT).read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path / LAYOUT} could not be read ({err}); the checkpoint is truncated.") from err
+
+
+def read_tensors(path: str | os.PathLike, targets: dict[str, torch.Tensor], group: Any | None = None) -> None:
+    """Fill ``targets`` (full-shape tensors, or DTensors) in place from the checkpoint."""
+    reader = SafeReader(str(path))
+    try:
+        dcp.load(targets, storage_reader=reader, process_group=group, no_dist=not dist.is_initialized())
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as err:  # DCP's own error is a BaseException
+        raise CheckpointError(
+            f"reading tensors from {path} failed ({type(err).__name__}: {str(err)[:300]}). A data file is "
+            f"missing or truncated; resume from an earlier checkpoint. Nothing was changed on disk."
+        ) from err
+
+
+def read_model_state(path: str | os.PathLike, prefix: str = MODEL) -> dict[str, torch.Tensor]:
+    """One process, no process group: the whole model state of a sharded checkpoint, consolidated
+    (keys without ``prefix``), or a full-format file's ``state_dict``."""
+    path = Path(path)
+    if path.is_file():
+        from lightning_5d.checkpoint.full import load_file
+        from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+        whole = load_file(TorchCheckpointIO(), path, weights_only=True)
+        if not isinstance(whole, Mapping) or "state_dict" not in whole:
+            raise CheckpointError(f"{path} is a torch file without a 'state_dict': not a Lightning checkpoint.")
+        return dict(whole["state_dict"])
+    check_complete(path)
+    shapes = tensor_shapes(path)
+    targets = {k: torch.empty(size, dtype=dtype) for k, (size, dtype) in shapes.items() if k.startswith(prefix)}
+    read_tensors(path, targets)
+    return {k[len(prefix) :]: v for k, v in targets.items()}
+
+
+def listing(label: str, items: list[str], shown: int = 8) -> str:
+    """'  label (n): a, b, ...' for error messages that name what does not match."""
+    more = " ..." if len(items) > shown else ""
+    return f"  {label} ({len(items)}): {', '.join(items[:shown])}{more}"
+
+
+def _lightning_safe_globals() -> list:
+    # Lightning stores hyper-parameters as an AttributeDict; it is a plain dict subclass.
+    from lightning.fabric.utilities.data import AttributeDict
+
+    return [AttributeDict, pathlib.PosixPath, pathlib.WindowsPath]

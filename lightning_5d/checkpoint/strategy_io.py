@@ -1,0 +1,492 @@
+"""What the 5D strategy writes into a checkpoint and how a layout reads it back.
+
+Both formats name every tensor by the unsplit model: each rank first undoes the splits a
+name cannot express (tensor-parallel shards, grouped experts' slices) and keeps the ones a
+name does express (a pipeline stage's layers, ``experts.<global index>``, FSDP2 shards as
+DTensors with their offsets). The full format then gathers everything to rank 0; the
+sharded format lets torch.distributed.checkpoint write each rank's pieces (keys several
+ranks hold are written once). Loading asks for the full-shape tensors this rank's pieces
+come from, and cuts them with the same splits, so any layout reads any other's checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from concurrent.futures import Future
+from enum import Enum
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from lightning_5d.checkpoint import files, full, sharded
+from lightning_5d.checkpoint.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointFormat(str, Enum):
+    SHARDED = "sharded"  # a directory: every rank writes its pieces (torch.distributed.checkpoint)
+    FULL = "full"  # one Lightning file, gathered to rank 0: loads anywhere, also without lightning_5d
+
+
+class CheckpointWrite(str, Enum):
+    SYNC = "sync"
+    ASYNC = "async"  # the sharded format's files are written in a background thread
+
+
+def checked_options(
+    format: str | CheckpointFormat, write: str | CheckpointWrite, keep_last_k: int | None
+) -> tuple[CheckpointFormat, CheckpointWrite, int | None]:
+    """The checkpoint options, or a ValueError naming the bad value and the valid ones."""
+    for value, kind in ((format, CheckpointFormat), (write, CheckpointWrite)):
+        if value not in {m.value for m in kind} and not isinstance(value, kind):
+            raise ValueError(f"{value!r} is not a {kind.__name__}; use one of {[m.value for m in kind]}.")
+    format, write = CheckpointFormat(format), CheckpointWrite(write)
+    if keep_last_k is not None and (not isinstance(keep_last_k, int) or keep_last_k < 1):
+        raise ValueError(f"keep_last_k={keep_last_k!r}: keep at least 1 checkpoint, or None to keep all.")
+    if write == CheckpointWrite.ASYNC and format != CheckpointFormat.SHARDED:
+        raise ValueError("checkpoint_write='async' needs checkpoint_format='sharded'.")
+    return format, write, keep_last_k
+
+
+class StoredState:
+    """Stands in for the tensors of a sharded checkpoint in Lightning's checkpoint dict; the
+    strategy reads them when Lightning asks it to restore the model or an optimizer."""
+
+    def __init__(self, path: Path, index: int | None = None) -> None:
+        self.path, self.index = path, index
+
+    def __repr__(self) -> str:
+        what = "model" if self.index is None else f"optimizer {self.index}"
+        return f"StoredState({what} in {self.path})"
+
+
+class StrategyCheckpoints:
+    def __init__(
+        self,
+        strategy: Any,
+        format: CheckpointFormat = CheckpointFormat.SHARDED,
+        write: CheckpointWrite = CheckpointWrite.SYNC,
+        keep_last_k: int | None = None,
+    ) -> None:
+        self.strategy = strategy
+        self.format, self.write, keep_last_k = checked_options(format, write, keep_last_k)
+        self.keep_last_k = keep_last_k
+        self._pending: tuple[Future, threading.Event] | None = None
+        self._async_group: Any = None
+
+    # ------------------------------------------------------------------ what each rank holds
+    @property
+    def splits(self) -> list:
+        """tp, ep and pp as they split this model (each has full_state / local_state)."""
+        s = self.strategy
+        return [x for x in (s._tp, s._ep, s._pp) if x is not None]
+
+    def full_model_state(self) -> dict[str, Any]:
+        """Every tensor at its full shape, on every rank (collective over all dims)."""
+        s = self.strategy
+        splits = self.splits
+        state = full.full_model_state(s.lightning_module, sharded=bool(s._fsdp_units), every_rank=bool(splits))
+        for split in splits:  # tp shards, then ep's experts, then the other pipeline stages
+            state = split.full_state(state)
+        return state
+
+    def model_state(self) -> dict[str, Any]:
+        if self.format == CheckpointFormat.FULL:
+            return self.full_model_state()
+        return self._owned_model_state()
+
+    def _owned_model_state(self) -> dict[str, Any]:
+        """This rank's pieces under unsplit names (collective over tp and ep, not pp)."""
+        s = self.strategy
+        if not s._fsdp_units:
+            state = dict(s.lightning_module.state_dict())
+        else:
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+            state = get_model_state_dict(s.lightning_module)  # FSDP2 shards stay DTensors
+        splits = [x for x in (s._tp, s._ep) if x is not None]
+        if splits:
+            # tp and grouped-expert gathers work on plain tensors; FSDP's shards are gathered over dp first
+            state = _full_tensors(state)
+            for split in splits:
+                state = split.full_state(state)
+        return state
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        s = self.strategy
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        if self.format == CheckpointFormat.FULL:
+            for dim, split in (("pp", s._pp is not None), ("ep", s._ep is not None and s._ep.ep > 1)):
+                if split:
+                    raise CheckpointError(
+                        f"the full checkpoint format cannot hold optimizer state under {dim} > 1 (each {dim} rank "
+                        f"holds its own part); use FiveDStrategy(checkpoint_format='sharded'), the default, or save "
+                        f"weights only."
+                    )
+        with s._keyed_by_model_params(optimizer):
+            if s._zero is not None:
+                state = s._zero.full_optimizer_state(optimizer)
+            elif self.format == CheckpointFormat.SHARDED:  # FSDP2's shards stay DTensors unless a split needs them
+                state = full.sharded_optimizer_state(s.lightning_module, optimizer)
+                if s._tp is not None or s._ep is not None:
+                    state = {**state, "state": _per_stat(state["state"], _full_tensors, all_stats=True)}
+            else:  # FSDP2, or no data-parallel peers: torch's own full format
+                state = full.dcp_optimizer_state(s.lightning_module, optimizer, every_rank=bool(self.splits))
+        if s._tp is not None:
+            state = s._tp.full_optimizer_state(state)
+        if s._ep is not None and s._ep.ep > 1:
+            state = {**state, "state": _per_stat(state["state"], s._ep.full_state)}
+        return state
+
+    # ------------------------------------------------------------------ save
+    def save(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if self.format == CheckpointFormat.FULL:
+            self._save_full(checkpoint, filepath, storage_options)
+        else:
+            if storage_options is not None:
+                raise TypeError("storage_options are not supported by the sharded checkpoint format.")
+            self._save_sharded(checkpoint, Path(filepath))
+
+    def _save_full(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any) -> None:
+        # Every rank gathered full tensors in dump_checkpoint; rank 0 writes, and everyone
+        # learns whether that worked, so a failed write cannot leave the others hanging.
+        s = self.strategy
+        checkpoint["layout"] = self._layout_record([k for k in ("state_dict", "optimizer_states") if k in checkpoint])
+        error = None
+        if s.is_global_zero:
+            try:
+                full.atomic_save(checkpoint, filepath, s.checkpoint_io, storage_options)
+                self._prune(Path(filepath))
+            except Exception as err:
+                error = f"{type(err).__name__}: {err}"
+        self._raise_if(error, f"rank 0 could not write checkpoint {filepath}")
+
+    def _save_sharded(self, checkpoint: dict[str, Any], final: Path) -> None:
+        s = self.strategy
+        self.wait()  # the previous asynchronous save is published before this one starts
+        partial = files.partial_path(final)
+        error = None
+        if s.is_global_zero:
+            try:
+                files.remove_stale_partials(final.parent)  # saves that were killed: never published
+                partial.mkdir(parents=True)
+            except OSError as err:
+                error = f"{type(err).__name__}: {err}"
+        self._raise_if(error, f"could not create {partial}")
+        tensors = _tensors_of(checkpoint)
+        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        meta["optimizer_param_groups"] = [
+            [{k: v for k, v in g.items() if k != "params"} for g in o["param_groups"]]
+            for o in checkpoint.get("optimizer_states", [])
+        ]
+        meta["optimizer_nontensor_state"] = _nontensor_stats(checkpoint.get("optimizer_states", []))
+        meta["rng_states"] = self._all_rng_states()
+        layout = self._layout_record(contains=[k for k in ("state_dict", "optimizer_states") if k in checkpoint])
+
+        def publish() -> None:
+            sharded.write_extras(partial, meta, layout)
+            files.publish(partial, final)
+            files.update_latest(final)
+            self._prune(final)
+
+        if self.write == CheckpointWrite.ASYNC:
+            if self._async_group is None:  # background writes must not share a group with training
+                self._async_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+            future = sharded.write_tensors(tensors, partial, group=self._async_group, asynchronous=True)
+            done = threading.Event()
+            rank0 = s.is_global_zero
+
+            def finish(f: Future) -> None:
+                try:
+                    f.result()
+                    if rank0:
+                        publish()
+                except Exception:  # the previous `latest` stays; the next save or teardown reports it
+                    log.exception("asynchronous checkpoint %s failed; `latest` still names the previous one", final)
+                finally:
+                    done.set()
+
+            future.add_done_callback(finish)
+            self._pending = (future, done)
+            return
+        error = None
+        try:
+            sharded.write_tensors(tensors, partial)
+        except Exception as err:
+            error = f"{type(err).__name__}: {err}"
+        self._raise_if(self._any_error(error), f"writing {final} failed")
+        if s.is_global_zero:
+            try:
+                publish()
+            except Exception as err:
+                error = f"{type(err).__name__}: {err}"
+        self._raise_if(error, f"rank 0 could not finish checkpoint {final}")
+
+    def wait(self) -> None:
+        """Block until an asynchronous save is on disk and published (or failed)."""
+        if self._pending is None:
+            return
+        future, done = self._pending
+        self._pending = None
+        error = None
+        try:
+            future.result()
+        except Exception as err:
+            error = f"{type(err).__name__}: {err}"
+        done.wait()
+        self._raise_if(self._any_error(error), "the asynchronous checkpoint save failed")
+
+    def _prune(self, final: Path) -> None:
+        if self.keep_last_k is not None:
+            files.prune(final.parent, self.keep_last_k)
+
+    def remove(self, filepath: Any) -> None:
+        if self.strategy.is_global_zero and files.is_local(filepath):
+            files.remove(Path(filepath))
+
+    # ------------------------------------------------------------------ load
+    def load(self, path: Any, weights_only: bool | None) -> dict[str, Any]:
+        if files.is_local(path) and Path(path).is_dir():
+            path = sharded.check_complete(path)
+            meta = sharded.read_meta(path)
+            groups = meta.get("optimizer_param_groups", [])
+            checkpoint = {**meta, "state_dict": StoredState(path)}
+            if "optimizer_states" in sharded.read_layout(path).get("contains", []):
+                checkpoint["optimizer_states"] = [StoredState(path, i) for i in range(len(groups))]
+            self._set_rng_state(meta.get("rng_states"))
+            return checkpoint
+        return full.load_file(self.strategy.checkpoint_io, path, weights_only)
+
+    def load_model(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        s = self.strategy
+        state = checkpoint["state_dict"]
+        if isinstance(state, StoredState):
+            state = self._read_model(state.path, strict)
+        for split in self.splits:  # full tensors: this rank keeps its own pieces
+            state = split.local_state(state)
+        full.load_full_model_state(s.lightning_module, state, bool(s._fsdp_units), strict)
+        if s._zero is not None:
+            s._zero.refresh_masters()
+        if s._five_d_precision is not None:
+            s._five_d_precision.refresh_masters()
+
+    def _read_model(self, path: Path, strict: bool) -> dict[str, Tensor]:
+        s = self.strategy
+        stored = {
+            k[len(sharded.MODEL) :]: v for k, v in sharded.tensor_shapes(path).items() if k.startswith(sharded.MODEL)
+        }
+        wanted = list(s.lightning_module.state_dict())
+        if strict:
+            problem = self._key_report(wanted, stored, path)
+            if problem:
+                raise CheckpointError(problem)
+        targets = {sharded.MODEL + k: torch.empty(stored[k][0], dtype=stored[k][1]) for k in wanted if k in stored}
+        sharded.read_tensors(path, targets)
+        state = {k[len(sharded.MODEL) :]: v for k, v in targets.items()}
+        self._check_shapes(state, path)
+        return state
+
+    def _key_report(self, wanted: list[str], stored: Mapping[str, Any], path: Path) -> str | None:
+        # Other ranks hold other stages / experts: a key is unexpected only if no rank wants it.
+        everyone = [wanted]
+        if dist.is_initialized():
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, wanted)
+        known = set().union(*everyone)
+        missing = sorted(k for k in wanted if k not in stored)
+        unexpected = sorted(k for k in stored if k not in known)
+        if not missing and not unexpected:
+            return None
+        layout = sharded.read_layout(path)
+        lines = [f"checkpoint {path} does not belong to this model (it was written by layout {layout.get('layout')}):"]
+        if missing:
+            lines.append(sharded.listing("missing", missing))
+        if unexpected:
+            lines.append(sharded.listing("unexpected", unexpected))
+        lines.append("  Load it into the model that wrote it, or pass strict=False to load the matching part.")
+        return "\n".join(lines)
+
+    def _check_shapes(self, state: dict[str, Tensor], path: Path) -> None:
+        local = self.strategy.lightning_module.state_dict()
+        pieces = dict(state)
+        for split in self.splits:
+            pieces = split.local_state(pieces)
+        wrong = [
+            f"{k}: model {tuple(local[k].shape)}, checkpoint {tuple(v.shape)} (this rank's piece)"
+            for k, v in pieces.items()
+            if k in local and isinstance(v, Tensor) and tuple(v.shape) != tuple(local[k].shape)
+        ]
+        if wrong:
+            raise CheckpointError(
+                f"checkpoint {path} has tensors of other shapes than this model ({len(wrong)}): "
+                f"{'; '.join(wrong[:6])}. It was written for another model configuration."
+            )
+
+    def load_optimizers(self, checkpoint: Mapping[str, Any]) -> None:
+        s = self.strategy
+        states = checkpoint["optimizer_states"]
+        if len(states) != len(s.optimizers):
+            raise CheckpointError(
+                f"the checkpoint holds {len(states)} optimizer states but configure_optimizers returned "
+                f"{len(s.optimizers)} optimizers."
+            )
+        for i, (optimizer, state) in enumerate(zip(s.optimizers, states)):
+            with s._keyed_by_model_params(optimizer):
+                if isinstance(state, StoredState):
+                    state = self._read_optimizer(state.path, i, optimizer, checkpoint)
+                if s._ep is not None and s._ep.ep > 1:
+                    state = {**state, "state": _per_stat(state["state"], s._ep.local_state)}
+                if s._tp is not None:
+                    state = s._tp.local_optimizer_state(state)
+                try:
+                    if s._zero is None:
+                        full.load_dcp_optimizer_state(s.lightning_module, optimizer, state)
+                    else:
+                        s._zero.load_full_optimizer_state(optimizer, state)
+                except (ValueError, KeyError) as err:
+                    raise CheckpointError(f"optimizer {i}'s state does not fit this optimizer: {err}") from err
+
+    def _read_optimizer(self, path: Path, index: int, optimizer: Any, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+        names = self._param_names()
+        groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+        stored_groups = checkpoint["optimizer_param_groups"][index]
+        if len(stored_groups) != len(groups):
+            raise CheckpointError(
+                f"optimizer {index} in {path} has {len(stored_groups)} parameter groups, this one {len(groups)}; "
+                f"configure_optimizers must build the same groups to resume."
+            )
+        prefix = f"{sharded.OPTIM}{index}.state."
+        mine = {n for g in groups for n in g}
+        targets = {}
+        for key, (size, dtype) in sharded.tensor_shapes(path).items():
+            if key.startswith(prefix) and key[len(prefix) :].rsplit(".", 1)[0] in mine:
+                targets[key] = torch.empty(size, dtype=dtype)
+        sharded.read_tensors(path, targets)
+        state: dict[str, dict[str, Any]] = {}
+        for key, value in targets.items():
+            name, stat = key[len(prefix) :].rsplit(".", 1)
+            state.setdefault(name, {})[stat] = value
+        for name, stats in checkpoint.get("optimizer_nontensor_state", [{}] * (index + 1))[index].items():
+            if name in mine:
+                state.setdefault(name, {}).update(stats)
+        param_groups = [{**hyper, "params": g} for hyper, g in zip(stored_groups, groups)]
+        return {"state": state, "param_groups": param_groups}
+
+    def _param_names(self) -> dict[int, str]:
+        s = self.strategy
+        names = {id(p): n for n, p in s.lightning_module.named_parameters()}
+        if s._zero is not None:
+            names.update(s._zero.master_names())
+        return names
+
+    # ------------------------------------------------------------------ helpers
+    def _layout_record(self, contains: list[str]) -> dict[str, Any]:
+        s = self.strategy
+        from lightning_5d.checkpoint.export import hf_info
+
+        return {
+            "layout": {**s.layout.sizes(), "ep": s.layout.ep},
+            "zero": int(s.zero_stage),
+            "sequence_parallel": bool(s.config.sequence_parallel),
+            "world_size": s.world_size,
+            "contains": contains,
+            "hf": hf_info(s.lightning_module),
+        }
+
+    def _all_rng_states(self) -> list[dict[str, Any]]:
+        mine = _rng_state()
+        if not dist.is_initialized():
+            return [mine]
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        return everyone
+
+    def _set_rng_state(self, states: list[dict[str, Any]] | None) -> None:
+        rank = self.strategy.global_rank
+        if states and rank < len(states):  # a bigger world than the writer's: new ranks keep their seed
+            _set_rng(states[rank])
+
+    def _any_error(self, error: str | None) -> str | None:
+        if not dist.is_initialized():
+            return error
+        errors: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        found = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+        return "; ".join(found) if found else None
+
+    def _raise_if(self, error: str | None, what: str) -> None:
+        error = self.strategy.broadcast(error)
+        if error is not None:
+            raise CheckpointError(f"{what}: {error}. Nothing already on disk was changed.")
+
+
+def _tensors_of(checkpoint: Mapping[str, Any]) -> dict[str, Tensor]:
+    tensors = {sharded.MODEL + k: v for k, v in checkpoint["state_dict"].items() if isinstance(v, Tensor)}
+    for i, state in enumerate(checkpoint.get("optimizer_states", [])):
+        for name, stats in state["state"].items():
+            for stat, value in stats.items():
+                if isinstance(value, Tensor):
+                    tensors[f"{sharded.OPTIM}{i}.state.{name}.{stat}"] = value
+    return tensors
+
+
+def _nontensor_stats(states: list[Mapping[str, Any]]) -> list[dict[str, dict[str, Any]]]:
+    # Plain numbers some optimizers keep per parameter (a step count as an int, a None buffer).
+    return [
+        {n: {k: v for k, v in st.items() if not isinstance(v, Tensor)} for n, st in s["state"].items()} for s in states
+    ]
+
+
+def _per_stat(
+    state: dict[str, dict[str, Any]], convert: Callable[[dict[str, Any]], dict[str, Any]], all_stats: bool = False
+) -> dict:
+    """Apply a name-keyed model-state conversion (an ep split) to each optimizer statistic
+    (scalars such as Adam's step only with ``all_stats``: they are not split)."""
+
+    def takes(v: Any) -> bool:
+        return isinstance(v, Tensor) and (all_stats or v.dim() > 0)
+
+    out: dict[str, dict[str, Any]] = {n: dict(s) for n, s in state.items()}
+    stats = sorted({k for s in state.values() for k, v in s.items() if takes(v)})
+    for stat in stats:  # the same order on every rank: the conversions may be collectives
+        converted = convert({n: s[stat] for n, s in state.items() if takes(s.get(stat))})
+        for name, value in converted.items():
+            out.setdefault(name, {})[stat] = value
+    return out
+
+
+def _full_tensors(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+
+
+def _rng_state() -> dict[str, Any]:
+    import numpy as np
+
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": [int(random.getstate()[0]), list(random.getstate()[1]), random.getstate()[2]],
+        "numpy": [str(kind), [int(k) for k in keys], int(pos), int(has_gauss), float(cached)],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng(state: Mapping[str, Any]) -> None:
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

@@ -1,0 +1,265 @@
+"""``load_pretrained`` in one process, with a stand-in strategy (the multi-process layouts are
+in tests/distributed/checkpoint/test_export.py)."""
+
+import json
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from lightning_5d.checkpoint import CheckpointError
+from lightning_5d.checkpoint import pretrained
+from lightning_5d.checkpoint.export import save_safetensors
+from lightning_5d.checkpoint.pretrained import load_pretrained, open_state
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import save_file  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def build_llama(seed: int, hidden: int = 32, tied: bool = False) -> nn.Module:
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      tie_word_embeddings=tied)  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+class CausalLM(L.LightningModule):
+    def __init__(self, model: nn.Module, extra: bool = False):
+        super().__init__()
+        self.model = model
+        if extra:
+            self.scale = nn.Parameter(torch.ones(1))
+
+
+class Strategy:
+    """What load_pretrained needs of a strategy: the module and load_model_state_dict."""
+
+    def __init__(self, module, splits=()):
+        self.lightning_module = module
+        self.checkpoints = SimpleNamespace(splits=list(splits))
+        self.calls: list[list[str]] = []
+
+    def load_model_state_dict(self, checkpoint, strict=True):
+        state = checkpoint["state_dict"]
+        self.calls.append(list(state))
+        for split in self.checkpoints.splits:
+            state = split.local_state(state)
+        self.lightning_module.load_state_dict(state, strict=strict)
+
+
+def write(source: nn.Module, tmp_path, kind: str):
+    state = {k: v.clone() for k, v in source.state_dict().items()}
+    if kind == "safetensors":
+        save_file(state, tmp_path / "w.safetensors")
+        return tmp_path / "w.safetensors"
+    if kind == "pt":
+        torch.save(state, tmp_path / "w.pt")
+        return tmp_path / "w.pt"
+    if kind == "ckpt":  # a full Lightning checkpoint: the LightningModule's names
+        torch.save({"state_dict": CausalLM(source).state_dict(), "epoch": 1}, tmp_path / "w.ckpt")
+        return tmp_path / "w.ckpt"
+    folder = tmp_path / "hf"
+    if kind == "hf":
+        source.save_pretrained(folder)
+    elif kind == "hf_sharded":
+        source.save_pretrained(folder, max_shard_size="40KB")
+        assert (folder / "model.safetensors.index.json").is_file()
+    elif kind == "hf_bin":
+        folder.mkdir()
+        source.config.save_pretrained(folder)
+        torch.save(state, folder / "pytorch_model.bin")
+    return folder
+
+
+def assert_loaded(module: nn.Module, source: nn.Module, prefix="model."):
+    mine = module.state_dict()
+    for k, v in source.state_dict().items():
+        assert torch.equal(mine[prefix + k], v), k
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "pt", "ckpt", "hf", "hf_sharded", "hf_bin"])
+def test_every_source_loads_every_entry(tmp_path, kind):
+    source = build_llama(0)
+    path = write(source, tmp_path, kind)
+    target = CausalLM(build_llama(1))
+    strategy = Strategy(target)
+    report = load_pretrained(strategy, path)
+    assert report.prefix == ("" if kind == "ckpt" else "model.")  # found by itself
+    assert report.loaded == len(target.state_dict()) and not report.missing and not report.unexpected
+    assert_loaded(target, source)
+
+
+def test_tied_weights_saved_once_load_both_names(tmp_path):
+    source = build_llama(0, tied=True)
+    path = write(source, tmp_path, "hf")  # save_pretrained leaves lm_head.weight out
+    assert "lm_head.weight" not in open_state(path).keys()
+    target = CausalLM(build_llama(1, tied=True))
+    load_pretrained(Strategy(target), path)
+    assert_loaded(target, source)
+    assert target.model.lm_head.weight is target.model.model.embed_tokens.weight
+
+
+def test_files_of_the_base_model_find_their_prefix(tmp_path):
+    """Hub GPT-2 files come from GPT2Model: "h.0...", not GPT2LMHeadModel's "transformer.h.0..."."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    base = transformers.GPT2Model(config)
+    state = {k: v.clone() for k, v in base.state_dict().items()}
+    state["h.0.attn.bias"] = torch.tril(torch.ones(1, 1, 64, 64))  # old causal masks, ignored as GPT-2 does
+    base.config.save_pretrained(tmp_path / "base")
+    save_file(state, tmp_path / "base" / "model.safetensors")
+    torch.manual_seed(1)
+    target = CausalLM(transformers.GPT2LMHeadModel(config))
+    report = load_pretrained(Strategy(target), tmp_path / "base")
+    assert report.prefix == "model.transformer." and not report.missing  # the tied head is the embedding
+    assert_loaded(target, base, prefix="model.transformer.")
+
+
+def test_moe_folders_stored_per_expert_get_a_conversion_hint(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(vocab_size=256, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, tie_word_embeddings=False)  # fmt: skip
+    source = transformers.MixtralForCausalLM(config)
+    source.save_pretrained(tmp_path / "hub")  # the Hub's layout: experts.<i>.w1 / w2 / w3
+    target = CausalLM(transformers.MixtralForCausalLM(config))
+    with pytest.raises(CheckpointError, match="(?s)experts.0.w1.weight.*names transformers converts while loading"):
+        load_pretrained(Strategy(target), tmp_path / "hub")
+    # The documented one-time conversion: in-memory names, then a key-by-key load.
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hub")
+    save_safetensors(loaded.state_dict(), tmp_path / "fused.safetensors")
+    load_pretrained(Strategy(target), tmp_path / "fused.safetensors")
+    assert_loaded(target, source)
+
+
+def test_groups_follow_the_module_order_within_the_size_limit(tmp_path):
+    source = build_llama(0)
+    path = write(source, tmp_path, "safetensors")
+    target = CausalLM(build_llama(1))
+    strategy = Strategy(target)
+    limit = 0.02  # MiB: a few small tensors per group
+    report = load_pretrained(strategy, path, group_mb=limit)
+    assert report.calls == len(strategy.calls) > 3
+    assert [k for call in strategy.calls for k in call] == list(target.state_dict())
+    sizes = {k: v.numel() * v.element_size() for k, v in target.state_dict().items()}
+    for call in strategy.calls:
+        assert len(call) == 1 or sum(sizes[k] for k in call) <= limit * 2**20
+    assert_loaded(target, source)
+
+
+class HalfRows:
+    """A stand-in tensor-parallel split: this rank keeps the first half of some weights' rows."""
+
+    def __init__(self, names):
+        self.names = set(names)
+
+    def local_state(self, state):
+        return {k: v[: v.shape[0] // 2].clone() if k in self.names else v for k, v in state.items()}
+
+
+def test_split_layouts_check_and_load_their_own_pieces(tmp_path):
+    source = build_llama(0)
+    path = write(source, tmp_path, "safetensors")
+    target = CausalLM(build_llama(1))
+    names = [f"model.model.layers.{i}.self_attn.q_proj.weight" for i in range(2)]
+    for i in range(2):
+        attn = target.model.model.layers[i].self_attn
+        attn.q_proj.weight = nn.Parameter(attn.q_proj.weight[:16].clone())
+    load_pretrained(Strategy(target, [HalfRows(names)]), path)
+    for i, name in enumerate(names):
+        full = source.model.layers[i].self_attn.q_proj.weight
+        assert torch.equal(target.state_dict()[name], full[:16])
+    wrong = build_llama(0)
+    for i in range(2):  # a file whose q_proj halves do not fit this rank's piece
+        wrong.model.layers[i].self_attn.q_proj.weight = nn.Parameter(torch.zeros(16, 32))
+    with pytest.raises(CheckpointError, match=r"(?s)wrong shapes.*q_proj.weight: file \[16, 32\] -> \[8, 32\]"):
+        load_pretrained(Strategy(target, [HalfRows(names)]), write(wrong, tmp_path / "w", "hf"))
+
+
+def test_a_rank_reads_only_the_entries_it_holds(tmp_path, monkeypatch):
+    """As a pipeline stage: the other stage's entries are held elsewhere, so they are not unexpected."""
+    source = build_llama(0)
+    path = write(source, tmp_path, "safetensors")
+    target = CausalLM(build_llama(1))
+    full_keys = list(target.state_dict())
+    del target.model.model.layers[1]
+    others = [k for k in full_keys if k not in target.state_dict()]
+    assert others
+    real_gather = pretrained._gather
+    monkeypatch.setattr(pretrained, "_gather", lambda obj: [obj, others] if isinstance(obj, list) else real_gather(obj))
+    read = []
+    real_get = pretrained.StateSource.get
+    monkeypatch.setattr(pretrained.StateSource, "get", lambda self, key: read.append(key) or real_get(self, key))
+    report = load_pretrained(Strategy(target), path)
+    assert sorted("model." + k for k in read) == sorted(target.state_dict()) and report.loaded == len(read)
+    for k, v in target.state_dict().items():
+        assert torch.equal(v, source.state_dict()[k[len("model.") :]]), k
+
+
+# ---------------------------------------------------------------------- mismatches
+def unchanged(module):
+    return {k: v.clone() for k, v in module.state_dict().items()}
+
+
+def assert_unchanged(module, before):
+    for k, v in module.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_missing_entries_raise_before_loading_or_are_reported(tmp_path):
+    source = build_llama(0)
+    path = write(source, tmp_path, "hf")
+    target = CausalLM(build_llama(1), extra=True)  # a parameter of its own the file cannot have
+    before = unchanged(target)
+    with pytest.raises(CheckpointError, match=r"(?s)do not match the model.*missing in the file: scale"):
+        load_pretrained(Strategy(target), path)
+    assert_unchanged(target, before)
+    report = load_pretrained(Strategy(target), path, strict=False)
+    assert report.missing == ["scale"] and not report.unexpected
+    assert_loaded(target, source)
+
+
+def test_unexpected_and_wrongly_shaped_entries_are_listed(tmp_path):
+    target = CausalLM(build_llama(1))
+    before = unchanged(target)
+    bigger = {**build_llama(0).state_dict(), "extra.weight": torch.ones(2)}
+    save_file({k: v.clone() for k, v in bigger.items()}, tmp_path / "extra.safetensors")
+    with pytest.raises(CheckpointError, match="not in the model: model.extra.weight"):
+        load_pretrained(Strategy(target), tmp_path / "extra.safetensors")
+    other = write(build_llama(0, hidden=48), tmp_path, "hf")
+    with pytest.raises(CheckpointError, match=r"(?s)wrong shapes.*embed_tokens.weight: file \[256, 48\]"):
+        load_pretrained(Strategy(target), other, strict=False)  # shapes are never skipped
+    assert_unchanged(target, before)
+    with pytest.raises(CheckpointError, match="not in the model"):
+        load_pretrained(Strategy(target), write(build_llama(0), tmp_path / "p", "hf"), prefix="")
+
+
+def test_bad_sources_get_clear_errors(tmp_path):
+    target = CausalLM(build_llama(1))
+    with pytest.raises(CheckpointError, match="do not exist"):
+        load_pretrained(Strategy(target), tmp_path / "nope.safetensors")
+    torch.save([torch.ones(1)], tmp_path / "list.pt")
+    with pytest.raises(CheckpointError, match="holds a list, not a state dict"):
+        load_pretrained(Strategy(target), tmp_path / "list.pt")
+    (tmp_path / "garbage.bin").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="could not be read as a state dict"):
+        load_pretrained(Strategy(target), tmp_path / "garbage.bin")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="folder without model.safetensors"):
+        load_pretrained(Strategy(target), tmp_path / "empty")
+    sharded = tmp_path / "last.ckpt"
+    dcp.save({"model.w": torch.ones(2)}, checkpoint_id=sharded, no_dist=True)
+    with pytest.raises(CheckpointError, match="l5d export"):
+        load_pretrained(Strategy(target), sharded)
+    index = write(build_llama(0), tmp_path / "s", "hf_sharded") / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())
+    weight_map["weight_map"]["lm_head.weight"] = "model-missing.safetensors"
+    index.write_text(json.dumps(weight_map))
+    with pytest.raises(CheckpointError, match="names model-missing.safetensors"):
+        load_pretrained(Strategy(target), index.parent)

@@ -1,0 +1,89 @@
+"""The sharded format's reading side: nothing unpickles code, and every broken file gets an error
+that says what is wrong and leaves the files as they were."""
+
+import hashlib
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from lightning_5d.checkpoint import CheckpointError, is_sharded_checkpoint, read_model_state
+from lightning_5d.checkpoint import sharded
+from lightning_5d.checkpoint.files import COMPLETE
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    path = tmp_path / "step=3.ckpt"
+    path.mkdir()
+    tensors = {"model.w": torch.arange(12.0).reshape(3, 4), "model.b": torch.ones(4, dtype=torch.bfloat16)}
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
+    sharded.write_extras(path, {"global_step": 3, "epoch": 0}, {"layout": {"tp": 1}, "contains": ["state_dict"]})
+    return path
+
+
+def _digest(path):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
+
+
+def test_round_trip_consolidates_the_model(checkpoint):
+    assert is_sharded_checkpoint(checkpoint)
+    state = read_model_state(checkpoint)
+    torch.testing.assert_close(state["w"], torch.arange(12.0).reshape(3, 4))
+    assert state["b"].dtype == torch.bfloat16
+    assert sharded.read_meta(checkpoint)["global_step"] == 3
+    assert sharded.read_layout(checkpoint)["format"] == sharded.FORMAT_VERSION
+
+
+def test_metadata_that_would_run_code_is_refused_without_running_it(checkpoint, tmp_path):
+    witness = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {witness}",))
+
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(Exploit()))
+    before = _digest(checkpoint)
+    with pytest.raises(CheckpointError, match="could not be read.*not allowed"):
+        read_model_state(checkpoint)
+    assert not witness.exists()
+    assert _digest(checkpoint) == before
+
+
+def test_a_truncated_data_file_gets_a_clear_error(checkpoint):
+    data = next(checkpoint.glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 3])
+    before = _digest(checkpoint)
+    with pytest.raises(CheckpointError, match="missing or truncated"):
+        read_model_state(checkpoint)
+    assert _digest(checkpoint) == before
+
+
+def test_corrupt_metadata_gets_a_clear_error(checkpoint):
+    (checkpoint / ".metadata").write_bytes(b"\x00not a pickle")
+    with pytest.raises(CheckpointError, match="corrupt"):
+        read_model_state(checkpoint)
+
+
+def test_an_unfinished_checkpoint_points_at_latest(checkpoint):
+    (checkpoint / COMPLETE).unlink()
+    with pytest.raises(CheckpointError, match="incomplete.*latest_checkpoint"):
+        read_model_state(checkpoint)
+
+
+def test_a_missing_extra_file_is_reported_as_truncation(checkpoint):
+    (checkpoint / sharded.META).unlink()
+    with pytest.raises(CheckpointError, match="lacks meta.pt"):
+        sharded.read_meta(checkpoint)
+
+
+class Custom:
+    """A user class in hyper-parameters: loading it would mean importing and running its code."""
+
+
+def test_meta_is_read_without_pickled_code(checkpoint):
+    torch.save({"hyper_parameters": Custom()}, checkpoint / sharded.META)
+    with pytest.raises(CheckpointError, match="add_safe_globals"):
+        sharded.read_meta(checkpoint)
