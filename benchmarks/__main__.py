@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from benchmarks import (
+    checkpoint_save,
     comm_vs_theory,
     context_parallel_scaling,
     memory_vs_theory,
@@ -33,6 +34,7 @@ BENCHMARKS = {
     "pipeline_bubble": pipeline_bubble,
     "context_parallel_scaling": context_parallel_scaling,
     "precision_recipes": precision_recipes,
+    "checkpoint_save": checkpoint_save,
     "gpu_1b": bench_1b,
 }
 HERE = Path(__file__).parent

