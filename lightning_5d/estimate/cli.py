@@ -2,6 +2,7 @@
 
 l5d estimate --model llama3-70b --tp 8 --pp 4 --dp 4 --zero 1 --seq 4096 --mbs 1 --json
 l5d plan --model llama3-8b --gpus 64 --gpu-mem 80 --gpus-per-node 8
+l5d estimate --recipe llama3_70b_64gpu [parallel.pp=8 ...]   # an `l5d train` recipe's exact layout
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ def _choices(enum_cls) -> list[str]:
     return [m.value for m in enum_cls]
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help=f"preset ({', '.join(sorted(PRESETS))}) or path to a HF config.json")
+def _add_common(p: argparse.ArgumentParser, model_required: bool = True) -> None:
+    p.add_argument(
+        "--model", required=model_required, help=f"preset ({', '.join(sorted(PRESETS))}) or path to a HF config.json"
+    )
     p.add_argument(
         "--seq",
         type=int,
@@ -74,7 +77,15 @@ def register(subparsers: Any) -> None:
         description="Predict params, FLOPs, per-GPU memory, communication and "
         "pipeline bubble for one layout. Formulas: docs/planner.md.",
     )
-    _add_common(est)
+    _add_common(est, model_required=False)
+    recipe = est.add_argument_group("recipe (instead of --model and the flags below)")
+    recipe.add_argument(
+        "--recipe",
+        help="an `l5d train` recipe (recipes/NAME.yaml): its model, layout, batch and precision as composed; exit "
+        "code 1 if it does not fit or the runtime would refuse it (lightning_5d/estimate/recipe_check.py)",
+    )
+    recipe.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="Hydra overrides for --recipe")
+    recipe.add_argument("--gpu-mem", type=float, default=None, help="GiB per GPU (default: the recipe's, else 80)")
     sizes = est.add_argument_group("layout")
     sizes.add_argument(
         "--dp",
@@ -164,7 +175,37 @@ def _fail(command: str, err: Exception) -> int:
     return 2
 
 
+def run_recipe(args: argparse.Namespace) -> int:
+    """`l5d estimate --recipe NAME [overrides]`: the planner's verdict on a recipe's exact layout."""
+    import json
+
+    from hydra.errors import HydraException
+
+    from .recipe_check import check_recipe_name
+
+    cluster = {} if args.gpu_mem is None else {"gpu_memory_gib": args.gpu_mem}
+    try:
+        check = check_recipe_name(args.recipe, args.overrides, **cluster)
+    except (LayoutError, ModelSpecError, OSError, ValueError, HydraException) as err:
+        return _fail("estimate", err)
+    print(json.dumps(check.to_dict(), indent=2) if args.json else check.format())
+    if args.plot:
+        from .plot import plot_memory
+
+        try:
+            plot_memory(check.estimate, args.plot)
+        except ImportError as err:
+            return _fail("estimate", err)
+    return 0 if check.fits and not check.problems else 1
+
+
 def run_estimate(args: argparse.Namespace) -> int:
+    if args.recipe:
+        return run_recipe(args)
+    if args.model is None or args.overrides:
+        return _fail(
+            "estimate", ValueError("give --model (with the layout flags) or --recipe NAME (with KEY=VALUE overrides)")
+        )
     try:
         spec = load_spec(args.model)
         setup = TrainingSetup(

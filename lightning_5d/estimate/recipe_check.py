@@ -35,7 +35,6 @@ planner's numbers would be wrong); see :func:`check_recipe`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,9 +46,6 @@ from .params import count_params
 from .spec import ModelSpec, spec_from_config_object
 from .timing import GIB, Cluster, StepTime, predict_step_time
 from .training import Precision, TrainingSetup
-
-# Dense peak per GPU by precision (H100 SXM), as `l5d plan` assumes without --peak-tflops.
-DEFAULT_PEAK_TFLOPS = {Precision.BF16: 989.0, Precision.FP8: 1979.0, Precision.FP32: 494.0}
 
 # The optional `cluster:` section of a recipe -> Cluster fields (GB/s and TFLOP/s as `l5d plan` takes them).
 CLUSTER_KEYS = {
@@ -71,9 +67,10 @@ class RecipeCheckError(ValueError):
 class RecipeCheck:
     """The planner's prediction for one composed recipe.
 
-    ``estimate`` is for the layout as the planner models it; when pp*v does not divide the
-    layers that is ``modelled_layers`` (every stage with the most loaded stage's blocks), and
-    the FLOP-based numbers below use the real model (``spec``) instead.
+    ``estimate`` is for the layout as the planner models it: when the runtime's pipeline stages
+    hold unequal numbers of blocks (pp*v does not divide the layers, or ``pipeline.balance``
+    says so), with ``modelled_layers`` = every stage holding the most loaded stage's blocks;
+    ``predicted_mfu`` then counts the FLOPs of the real model (``spec``).
     """
 
     recipe: str | None
@@ -140,7 +137,14 @@ class RecipeCheck:
         from .report import format_estimate
 
         mem = self.cluster.gpu_memory_gib
-        lines = [f"recipe      {self.recipe}" if self.recipe else "", format_estimate(self.estimate)]
+        lines = [f"recipe      {self.recipe}" if self.recipe else ""]
+        if self.modelled_layers != self.spec.num_layers:
+            counts = count_params(self.spec)
+            lines.append(
+                f"recipe's    {self.spec.name}: {counts.total / 1e9:.2f}B params, {self.spec.num_layers} layers; "
+                f"modelled below with {self.modelled_layers} (see the note)"
+            )
+        lines.append(format_estimate(self.estimate))
         lines.append(
             f"cluster     {self.world_size} GPUs, {self.cluster.gpus_per_node} per node, {mem:g} GiB each "
             f"({self.usable_gib:.1f} usable), peak {self.cluster.peak_flops / 1e12:g} TFLOP/s, "
@@ -206,6 +210,8 @@ def cluster_for(cfg: Any, **overrides: Any) -> Cluster:
         if CLUSTER_KEYS[key] is not None and value is not None:
             name, scale = CLUSTER_KEYS[key]
             fields[name] = float(value) * scale
+    from .cli import DEFAULT_PEAK_TFLOPS  # H100 dense by precision, as `l5d plan` assumes
+
     fields.setdefault("peak_flops", DEFAULT_PEAK_TFLOPS[_precision(cfg.precision)] * 1e12)
     fields.update(overrides)
     return Cluster(gpus=int(cfg.devices) * int(cfg.num_nodes), gpus_per_node=int(cfg.devices), **fields)
@@ -259,10 +265,22 @@ def setup_from_recipe(cfg: Any, layout: Any = None) -> TrainingSetup:
     )
 
 
-def _recipe_name(cfg: Any) -> str | None:
+def runtime_stage_blocks(spec: ModelSpec, cfg: Any, stages: int) -> list[int]:
+    """Blocks per pipeline stage as the runtime cuts them (``parallel.pipeline.balance`` / ``stage_blocks``)."""
+    from lightning_5d.config import ParallelConfig
+    from lightning_5d.parallel.pipeline_split import split_blocks, stage_weights
+
+    pipeline = ParallelConfig.from_mapping(_plain(cfg.parallel)).pipeline
+    counts = count_params(spec)
+    weights = stage_weights([counts.layer.total] * spec.num_layers, counts.head, pipeline.balance)
+    return [len(r) for r in split_blocks(weights, stages, pipeline.stage_blocks)]
+
+
+def _choice(cfg: Any, group: str) -> str | None:
+    """Which option of a config group was composed (only with ``compose(..., return_hydra_config=True)``)."""
     try:
-        return str(cfg.hydra.runtime.choices.recipe)
-    except Exception:  # composed without return_hydra_config
+        return str(cfg.hydra.runtime.choices[group])
+    except Exception:
         return None
 
 
@@ -278,8 +296,8 @@ def check_recipe(cfg: Any, recipe: str | None = None, validate: bool = True, **c
         from lightning_5d.train import validate as validate_job
 
         layout = validate_job(cfg)
-    recipe = recipe or _recipe_name(cfg)
-    spec = spec_from_recipe(cfg, name=recipe and f"{recipe}.model")
+    recipe = recipe or _choice(cfg, "recipe")
+    spec = spec_from_recipe(cfg, name=_choice(cfg, "model") or (recipe and f"{recipe}.model"))
     setup = setup_from_recipe(cfg, layout)
     cluster = cluster_for(cfg, **cluster_overrides)
     notes: list[str] = ["attention as the flash kernel (SDPA): no s x s scores kept"]
@@ -287,13 +305,16 @@ def check_recipe(cfg: Any, recipe: str | None = None, validate: bool = True, **c
 
     stages = setup.pp * setup.v
     modelled = spec
-    if spec.num_layers % stages:
-        modelled = spec.replace(num_layers=math.ceil(spec.num_layers / stages) * stages)
-        notes.append(
-            f"{spec.num_layers} layers over pp*v = {stages} stages: modelled as {modelled.num_layers} (every stage "
-            f"with the most loaded stage's {modelled.num_layers // stages} blocks), so memory is an upper bound and "
-            f"the step is the slowest stage's; MFU counts the real {spec.num_layers} layers' FLOPs"
-        )
+    if setup.pp > 1:
+        blocks = runtime_stage_blocks(spec, cfg, stages)
+        if max(blocks) * stages != spec.num_layers:
+            modelled = spec.replace(num_layers=max(blocks) * stages)
+            notes.append(
+                f"the runtime cuts the {spec.num_layers} blocks into {stages} stages of {min(blocks)}..{max(blocks)} "
+                f"(pipeline.balance / stage_blocks); modelled as {modelled.num_layers} layers, every stage with the "
+                f"most loaded stage's {max(blocks)}, so memory is an upper bound and the step is the slowest "
+                f"stage's; MFU counts the real {spec.num_layers} layers' FLOPs"
+            )
     if setup.pp > 1 and setup.zero == ZeroStage.PARAMETERS:
         problems.append("zero=3 with pp > 1: the runtime refuses it (use zero=1 or 2 with pp)")
     if spec.is_moe:
@@ -303,6 +324,14 @@ def check_recipe(cfg: Any, recipe: str | None = None, validate: bool = True, **c
                 f"tp={setup.tp} with MoE: the planner splits experts ep*tp ways, the runtime replicates them over tp "
                 f"(no expert-tensor parallelism yet), so the expert memory is under-counted {setup.tp}x"
             )
+    startup = 4 * count_params(spec).total  # fp32, as nn.Module builds it
+    if startup > cluster.usable_memory_bytes:
+        notes.append(
+            f"start-up, not modelled: the worker builds the whole model in fp32 on every rank and moves it to the "
+            f"GPU before any dimension cuts it (worker.py LlamaLM(...), FiveDStrategy.setup model_to_device): "
+            f"{startup / GIB:.0f} GiB per GPU and per process in host memory; this recipe needs meta-device "
+            f"(deferred) initialization, which the runtime does not have yet"
+        )
     if setup.schedule in (PipelineSchedule.ZERO_BUBBLE, PipelineSchedule.ZBV, PipelineSchedule.DUALPIPEV):
         notes.append(f"{setup.schedule.value} bubble assumes equal F, B and W times")
 
@@ -327,5 +356,5 @@ def check_recipe_name(name: str, overrides: tuple[str, ...] | list[str] = (), **
     """Compose ``recipe=<name>`` (plus Hydra ``overrides``) as ``l5d train`` would, then :func:`check_recipe`."""
     from lightning_5d.train import compose
 
-    cfg = compose([f"recipe={name}", *overrides])
+    cfg = compose([f"recipe={name}", *overrides], return_hydra_config=True)
     return check_recipe(cfg, recipe=name, **cluster_overrides)
