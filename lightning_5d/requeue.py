@@ -337,6 +337,10 @@ class AutoRequeue(pl.Callback):
         path = self.checkpoint_path(step)
         rank_zero_info(f"[lightning_5d] AutoRequeue: {received}; saving {path} at step {step}")
         trainer.save_checkpoint(path, weights_only=False)  # collective: every rank is here at the same step
+        # An asynchronous save returns before its files are published; the requeue ends this job.
+        checkpoints = getattr(trainer.strategy, "checkpoints", None)
+        if checkpoints is not None:
+            checkpoints.wait()
         self.saved = path
 
         job_id = job_id_from_env()
@@ -488,7 +492,10 @@ def job_setup(cfg: Mapping[str, Any], plugins: Sequence[Any] = ()) -> JobRequeue
     ``plugins``: those the worker passes already; a cluster environment among them is kept.
     """
     config = RequeueConfig.from_mapping(cfg.get("requeue"))
-    setup = JobRequeue(ckpt_path=resume_checkpoint(cfg.get("resume"), config.dirpath))
+    requeued = AutoRequeue.resume_path(config.dirpath) if config.enabled else None
+    # A requeued job continues from its own newest checkpoint whatever `resume` says: with a
+    # fixed path (or none) every requeue would start over from the same point.
+    setup = JobRequeue(ckpt_path=requeued or resume_checkpoint(cfg.get("resume"), config.dirpath))
     if config.enabled:
         setup.callback = config.callback()
         setup.plugins = _slurm_environment(plugins)

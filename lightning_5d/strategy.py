@@ -12,6 +12,7 @@ from typing import Any, Callable, Generator, Mapping
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.types import _Stateful
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
@@ -758,10 +759,14 @@ class FiveDStrategy(ParallelStrategy):
         self._checkpoints.load_optimizers(checkpoint)
 
     @override
+    def on_train_start(self) -> None:
+        self._checkpoints.restore_rng()  # a resumed run's generators, now that the data is set up
+
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or not trainer.training:
-            return dataloader
+        if trainer is None or not trainer.training or isinstance(dataloader, _Stateful):
+            return dataloader  # a loader that keeps its own position (StatefulDataLoader) needs no help
         return ResumableLoader(dataloader, trainer)
 
     def _keyed_by_model_params(self, optimizer):

@@ -72,7 +72,11 @@ def prune(root: Path, keep_last_k: int, pattern: str = "*.ckpt") -> list[Path]:
     if keep_last_k < 0:
         return []
     latest = latest_checkpoint(root)
-    done = sorted((p for p in root.glob(pattern) if not p.name.startswith(".") and is_complete(p)), key=_step_of)
+    # Only step-numbered checkpoints have an order; links (save_last="link") and names like
+    # last.ckpt or epoch=3.ckpt are left alone.
+    done = sorted(
+        (p for p in root.glob(pattern) if _step_of(p) >= 0 and not p.is_symlink() and is_complete(p)), key=_step_of
+    )
     doomed = [p for p in done[: max(len(done) - keep_last_k, 0)] if p != latest]
     for path in doomed:
         remove(path)
@@ -91,8 +95,10 @@ def _step_of(path: Path) -> int:
 
 
 def remove(path: Path) -> None:
-    """A checkpoint file or directory, if it is there."""
-    if path.is_dir():
+    """A checkpoint file or directory, if it is there (a link: the link only)."""
+    if path.is_symlink():
+        path.unlink()
+    elif path.is_dir():
         shutil.rmtree(path)
     elif path.exists():
         path.unlink()

@@ -9,14 +9,15 @@ Layout of one checkpoint directory::
     COMPLETE                       written last: the writers all finished
 
 Tensor keys are the unsplit model's names, so any layout can ask for the pieces it needs:
-``model.<LightningModule state_dict key>``, ``optim.<i>.state.<param name>.<stat>`` and
-``rng.<rank>.<generator>``. Nothing here unpickles arbitrary objects: DCP's tensor payloads
+``model.<LightningModule state_dict key>`` and ``optim.<i>.state.<param name>.<stat>``
+(every rank's RNG states are in ``meta.pt``). Nothing here unpickles arbitrary objects: DCP's tensor payloads
 are read with ``weights_only``, ``meta.pt`` too, and ``.metadata`` through an unpickler that
 only builds DCP's own metadata classes.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pathlib
@@ -39,7 +40,6 @@ META = "meta.pt"
 LAYOUT = "layout.json"
 MODEL = "model."
 OPTIM = "optim."
-RNG = "rng."
 
 # The classes DCP's .metadata pickle may build; anything else is refused, not executed.
 _SAFE_GLOBALS = {
@@ -140,9 +140,15 @@ def write_tensors(
     return None
 
 
-def write_extras(directory: Path, meta: Mapping[str, Any], layout: Mapping[str, Any]) -> None:
+def serialize(meta: Mapping[str, Any]) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(dict(meta), buffer)
+    return buffer.getvalue()
+
+
+def write_extras(directory: Path, meta: Mapping[str, Any] | bytes, layout: Mapping[str, Any]) -> None:
     """Rank 0, after every rank's tensors are on disk; COMPLETE goes last."""
-    torch.save(dict(meta), directory / META)
+    (directory / META).write_bytes(meta if isinstance(meta, bytes) else serialize(meta))
     (directory / LAYOUT).write_text(json.dumps({"format": FORMAT_VERSION, **layout}, indent=1, default=str))
     with open(directory / COMPLETE, "w") as f:
         f.write("ok\n")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import functools
 from concurrent.futures import Future
 from enum import Enum
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from lightning_5d.checkpoint import files, full, sharded
@@ -55,6 +57,13 @@ def checked_options(
     return format, write, keep_last_k
 
 
+class _Pending:
+    """An asynchronous save in flight: its future, whether publishing finished, and how it failed."""
+
+    def __init__(self, future: Future) -> None:
+        self.future, self.done, self.error = future, threading.Event(), None
+
+
 class StoredState:
     """Stands in for the tensors of a sharded checkpoint in Lightning's checkpoint dict; the
     strategy reads them when Lightning asks it to restore the model or an optimizer."""
@@ -78,7 +87,9 @@ class StrategyCheckpoints:
         self.strategy = strategy
         self.format, self.write, keep_last_k = checked_options(format, write, keep_last_k)
         self.keep_last_k = keep_last_k
-        self._pending: tuple[Future, threading.Event] | None = None
+        self._pending: _Pending | None = None
+        self._deferred_removals: list[Any] = []
+        self._rng_states: dict[str, Any] | None = None  # this rank's, restored when training starts
         self._async_group: Any = None
 
     # ------------------------------------------------------------------ what each rank holds
@@ -111,12 +122,13 @@ class StrategyCheckpoints:
             from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
             state = get_model_state_dict(s.lightning_module)  # FSDP2 shards stay DTensors
-        splits = [x for x in (s._tp, s._ep) if x is not None]
-        if splits:
+        if s._tp is not None or s._ep is not None:
             # tp and grouped-expert gathers work on plain tensors; FSDP's shards are gathered over dp first
             state = _full_tensors(state)
-            for split in splits:
-                state = split.full_state(state)
+            if s._tp is not None:
+                state = s._tp.full_state(state)
+            if s._ep is not None:
+                state = s._ep.full_state(state, gather_listed=False)
         return state
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -142,7 +154,8 @@ class StrategyCheckpoints:
         if s._tp is not None:
             state = s._tp.full_optimizer_state(state)
         if s._ep is not None and s._ep.ep > 1:
-            state = {**state, "state": _per_stat(state["state"], s._ep.full_state)}
+            gather = functools.partial(s._ep.full_state, gather_listed=self.format == CheckpointFormat.FULL)
+            state = {**state, "state": _per_stat(state["state"], gather)}
         return state
 
     # ------------------------------------------------------------------ save
@@ -194,8 +207,11 @@ class StrategyCheckpoints:
         meta["rng_states"] = self._all_rng_states()
         layout = self._layout_record(contains=[k for k in ("state_dict", "optimizer_states") if k in checkpoint])
 
+        # Serialized now: callbacks hand over live objects that change before a background write.
+        meta_bytes = sharded.serialize(meta)
+
         def publish() -> None:
-            sharded.write_extras(partial, meta, layout)
+            sharded.write_extras(partial, meta_bytes, layout)
             files.publish(partial, final)
             files.update_latest(final)
             self._prune(final)
@@ -204,7 +220,7 @@ class StrategyCheckpoints:
             if self._async_group is None:  # background writes must not share a group with training
                 self._async_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
             future = sharded.write_tensors(tensors, partial, group=self._async_group, asynchronous=True)
-            done = threading.Event()
+            pending = _Pending(future)
             rank0 = s.is_global_zero
 
             def finish(f: Future) -> None:
@@ -212,18 +228,21 @@ class StrategyCheckpoints:
                     f.result()
                     if rank0:
                         publish()
-                except Exception:  # the previous `latest` stays; the next save or teardown reports it
-                    log.exception("asynchronous checkpoint %s failed; `latest` still names the previous one", final)
+                except BaseException as err:  # the previous `latest` stays; wait() reports it on every rank
+                    pending.error = f"{type(err).__name__}: {err}"
+                    log.error(
+                        "asynchronous checkpoint %s failed (%s); `latest` still names the previous one", final, err
+                    )
                 finally:
-                    done.set()
+                    pending.done.set()
 
             future.add_done_callback(finish)
-            self._pending = (future, done)
+            self._pending = pending
             return
         error = None
         try:
             sharded.write_tensors(tensors, partial)
-        except Exception as err:
+        except (Exception, CheckpointException) as err:
             error = f"{type(err).__name__}: {err}"
         self._raise_if(self._any_error(error), f"writing {final} failed")
         if s.is_global_zero:
@@ -234,26 +253,34 @@ class StrategyCheckpoints:
         self._raise_if(error, f"rank 0 could not finish checkpoint {final}")
 
     def wait(self) -> None:
-        """Block until an asynchronous save is on disk and published (or failed)."""
+        """Block until an asynchronous save is on disk and published (or failed); then carry out
+        the removals asked for meanwhile, which had to wait for the new checkpoint."""
         if self._pending is None:
             return
-        future, done = self._pending
-        self._pending = None
-        error = None
-        try:
-            future.result()
-        except Exception as err:
-            error = f"{type(err).__name__}: {err}"
-        done.wait()
-        self._raise_if(self._any_error(error), "the asynchronous checkpoint save failed")
+        pending, self._pending = self._pending, None
+        pending.done.wait()
+        error = self._any_error(pending.error)
+        removals, self._deferred_removals = self._deferred_removals, []
+        if error is None:
+            for path in removals:
+                self.remove(path)
+        self._raise_if(error, "the asynchronous checkpoint save failed")
 
     def _prune(self, final: Path) -> None:
         if self.keep_last_k is not None:
             files.prune(final.parent, self.keep_last_k)
 
     def remove(self, filepath: Any) -> None:
+        """ModelCheckpoint dropping an older checkpoint. While a newer one is still being written
+        that older one may be the only complete checkpoint: it goes once the newer is published.
+        The one `latest` names is never removed."""
+        if self._pending is not None:
+            self._deferred_removals.append(filepath)
+            return
         if self.strategy.is_global_zero and files.is_local(filepath):
-            files.remove(Path(filepath))
+            path = Path(filepath)
+            if path.is_symlink() or files.latest_checkpoint(path.parent) != path:
+                files.remove(path)
 
     # ------------------------------------------------------------------ load
     def load(self, path: Any, weights_only: bool | None) -> dict[str, Any]:
@@ -264,7 +291,10 @@ class StrategyCheckpoints:
             checkpoint = {**meta, "state_dict": StoredState(path)}
             if "optimizer_states" in sharded.read_layout(path).get("contains", []):
                 checkpoint["optimizer_states"] = [StoredState(path, i) for i in range(len(groups))]
-            self._set_rng_state(meta.get("rng_states"))
+            states, rank = meta.get("rng_states"), self.strategy.global_rank
+            # Restored when training starts: setting up the data draws from the generators first.
+            # A rank beyond the writer's world size keeps its seed.
+            self._rng_states = states[rank] if states and rank < len(states) else None
             return checkpoint
         return full.load_file(self.strategy.checkpoint_io, path, weights_only)
 
@@ -287,15 +317,14 @@ class StrategyCheckpoints:
             k[len(sharded.MODEL) :]: v for k, v in sharded.tensor_shapes(path).items() if k.startswith(sharded.MODEL)
         }
         wanted = list(s.lightning_module.state_dict())
-        if strict:
-            problem = self._key_report(wanted, stored, path)
-            if problem:
-                raise CheckpointError(problem)
+        problem = self._key_report(wanted, stored, path) if strict else None
+        # Every rank learns of any rank's problem before the read, a collective all must enter.
+        problem = self._first_problem(problem or self._shape_report(wanted, stored, path))
+        if problem:
+            raise CheckpointError(problem)
         targets = {sharded.MODEL + k: torch.empty(stored[k][0], dtype=stored[k][1]) for k in wanted if k in stored}
         sharded.read_tensors(path, targets)
-        state = {k[len(sharded.MODEL) :]: v for k, v in targets.items()}
-        self._check_shapes(state, path)
-        return state
+        return {k[len(sharded.MODEL) :]: v for k, v in targets.items()}
 
     def _key_report(self, wanted: list[str], stored: Mapping[str, Any], path: Path) -> str | None:
         # Other ranks hold other stages / experts: a key is unexpected only if no rank wants it.
@@ -317,9 +346,10 @@ class StrategyCheckpoints:
         lines.append("  Load it into the model that wrote it, or pass strict=False to load the matching part.")
         return "\n".join(lines)
 
-    def _check_shapes(self, state: dict[str, Tensor], path: Path) -> None:
+    def _shape_report(self, wanted: list[str], stored: Mapping[str, Any], path: Path) -> str | None:
+        """Cut shape-only (meta) tensors of the stored sizes the way loading will, and compare."""
         local = self.strategy.lightning_module.state_dict()
-        pieces = dict(state)
+        pieces = {k: torch.empty(stored[k][0], dtype=stored[k][1], device="meta") for k in wanted if k in stored}
         for split in self.splits:
             pieces = split.local_state(pieces)
         wrong = [
@@ -327,11 +357,20 @@ class StrategyCheckpoints:
             for k, v in pieces.items()
             if k in local and isinstance(v, Tensor) and tuple(v.shape) != tuple(local[k].shape)
         ]
-        if wrong:
-            raise CheckpointError(
-                f"checkpoint {path} has tensors of other shapes than this model ({len(wrong)}): "
-                f"{'; '.join(wrong[:6])}. It was written for another model configuration."
-            )
+        if not wrong:
+            return None
+        return (
+            f"checkpoint {path} has tensors of other shapes than this model ({len(wrong)}): "
+            f"{'; '.join(wrong[:6])}. It was written for another model configuration."
+        )
+
+    def _first_problem(self, problem: str | None) -> str | None:
+        """The first rank's problem, on every rank (a collective)."""
+        if not dist.is_initialized():
+            return problem
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, problem)
+        return next((p for p in everyone if p is not None), None)
 
     def load_optimizers(self, checkpoint: Mapping[str, Any]) -> None:
         s = self.strategy
@@ -361,11 +400,15 @@ class StrategyCheckpoints:
         names = self._param_names()
         groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
         stored_groups = checkpoint["optimizer_param_groups"][index]
+        problem = None
         if len(stored_groups) != len(groups):
-            raise CheckpointError(
+            problem = (
                 f"optimizer {index} in {path} has {len(stored_groups)} parameter groups, this one {len(groups)}; "
                 f"configure_optimizers must build the same groups to resume."
             )
+        problem = self._first_problem(problem)  # before the read, which every rank must enter
+        if problem:
+            raise CheckpointError(problem)
         prefix = f"{sharded.OPTIM}{index}.state."
         mine = {n for g in groups for n in g}
         targets = {}
@@ -412,10 +455,10 @@ class StrategyCheckpoints:
         dist.all_gather_object(everyone, mine)
         return everyone
 
-    def _set_rng_state(self, states: list[dict[str, Any]] | None) -> None:
-        rank = self.strategy.global_rank
-        if states and rank < len(states):  # a bigger world than the writer's: new ranks keep their seed
-            _set_rng(states[rank])
+    def restore_rng(self) -> None:
+        if self._rng_states is not None:
+            _set_rng(self._rng_states)
+            self._rng_states = None
 
     def _any_error(self, error: str | None) -> str | None:
         if not dist.is_initialized():

@@ -323,8 +323,10 @@ class ExpertParallel:
                     listed[key] = value
         return grouped, listed
 
-    def full_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """Local expert entries -> every expert (collective over ep)."""
+    def full_state(self, state: dict[str, Any], gather_listed: bool = True) -> dict[str, Any]:
+        """Local expert entries -> every expert (collective over ep). Experts kept as a list are
+        already named by their global index: ``gather_listed=False`` leaves each rank its own
+        (what a sharded checkpoint writes), only grouped slices are gathered."""
         if self.group is None:
             return state
         grouped, listed = self._owner_entries(state)
@@ -333,6 +335,8 @@ class ExpertParallel:
             parts = [torch.empty_like(value) for _ in range(self.ep)]
             dist.all_gather(parts, value.contiguous(), group=self.group)
             out[key] = torch.cat(parts)
+        if not gather_listed:
+            return out
         gathered: list[Any] = [None] * self.ep
         dist.all_gather_object(gathered, {k: v.cpu() for k, v in listed.items()}, group=self.group)
         for part in gathered:

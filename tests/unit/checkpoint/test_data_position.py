@@ -36,3 +36,28 @@ def test_a_checkpoint_from_the_last_batch_or_another_epoch_skips_nothing():
         loader = ResumableLoader(DataLoader(list(range(10)), batch_size=2), _trainer(epoch=epoch))
         loader.load_state_dict(state)
         assert len(list(loader)) == 5
+
+
+def test_a_resume_in_a_later_epoch_skips_within_that_epochs_order():
+    # Lightning asks for the iterator before it calls set_epoch: the skipped draws must still
+    # come from the resumed epoch's permutation, not epoch 0's.
+    from torch.utils.data import DistributedSampler
+
+    data = list(range(16))
+
+    def loader():
+        return DataLoader(data, batch_size=2, sampler=DistributedSampler(data, num_replicas=1, rank=0, seed=0))
+
+    uninterrupted = loader()
+    uninterrupted.sampler.set_epoch(1)
+    expected = [b.tolist() for b in uninterrupted][3:]
+    resumed = ResumableLoader(loader(), _trainer(epoch=1))
+    resumed.load_state_dict({"epoch": 1, "batches": 3, "finished": 0})
+    assert [b.tolist() for b in resumed] == expected
+
+
+def test_attributes_lightning_sets_reach_the_loader():
+    inner = DataLoader(list(range(4)))
+    wrapped = ResumableLoader(inner, _trainer())
+    wrapped.worker_init_fn = print
+    assert inner.worker_init_fn is print
