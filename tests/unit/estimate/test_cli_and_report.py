@@ -1,11 +1,10 @@
 """`l5d estimate` / `l5d plan` through argparse, the JSON contract, and the charts."""
 
-import argparse
 import json
 
 import pytest
 
-from lightning_5d.estimate import cli, estimate, plan
+from lightning_5d.estimate import estimate, plan
 from lightning_5d.estimate.plot import plot_memory
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -43,41 +42,28 @@ MEMORY_KEYS = {"params", "grads", "optimizer", "activations", "buffers", "total"
 COMM_KEYS = {"dp", "tp", "cp", "pp", "ep", "total"}
 
 
-def run(argv, capsys):
-    parser = argparse.ArgumentParser(prog="l5d")
-    cli.register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    code = args.func(args)
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def test_estimate_command_from_the_brief(capsys):
+def test_estimate_command_from_the_brief(l5d):
     argv = "estimate --model llama3-70b --tp 8 --pp 4 --dp 4 --zero 1 --seq 4096 --mbs 1 --json".split()
-    code, out, _ = run(argv, capsys)
+    code, out, _ = l5d(argv)
     assert code == 0
     data = json.loads(out)
     assert set(data) == ESTIMATE_KEYS
     assert set(data["memory_gib"]) == MEMORY_KEYS
     assert set(data["comm_bytes_per_step"]) == COMM_KEYS
     assert data["params"] == 70_553_706_496
-    assert (
-        data["setup"]["world_size"] == 128 and data["setup"]["dp_shard"] == 4 and data["setup"]["zero"] == 1
-    )
-    assert data["memory_gib"]["total"] == pytest.approx(
-        sum(data["memory_gib"][k] for k in MEMORY_KEYS - {"total"})
-    )
+    assert data["setup"]["world_size"] == 128 and data["setup"]["dp_shard"] == 4 and data["setup"]["zero"] == 1
+    assert data["memory_gib"]["total"] == pytest.approx(sum(data["memory_gib"][k] for k in MEMORY_KEYS - {"total"}))
     assert 0 < data["bubble_fraction"] < 1 and data["bubble_relative"] == pytest.approx(3 / 8)
 
 
-def test_estimate_table_is_readable(capsys):
-    code, out, _ = run("estimate --model l5d-tiny-moe --dp 2 --ep 2 --seq 256".split(), capsys)
+def test_estimate_table_is_readable(l5d):
+    code, out, _ = l5d("estimate --model l5d-tiny-moe --dp 2 --ep 2 --seq 256".split())
     assert code == 0
     for word in ("params", "activations", "all_to_all", "bubble", "total"):
         assert word in out
 
 
-def test_estimate_reads_a_config_json(tmp_path, capsys):
+def test_estimate_reads_a_config_json(tmp_path, l5d):
     cfg = {
         "vocab_size": 256,
         "hidden_size": 128,
@@ -89,7 +75,7 @@ def test_estimate_reads_a_config_json(tmp_path, capsys):
     }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
-    code, out, _ = run(["estimate", "--model", str(path), "--seq", "128", "--json"], capsys)
+    code, out, _ = l5d(["estimate", "--model", str(path), "--seq", "128", "--json"])
     assert code == 0 and json.loads(out)["params"] == estimate("l5d-tiny").params.total
 
 
@@ -102,21 +88,19 @@ def test_estimate_reads_a_config_json(tmp_path, capsys):
         ("plan --model llama3-70b --gpus 8 --dims dp", "fits in 80.0 GiB"),
     ],
 )
-def test_errors_exit_2_with_the_message(argv, message, capsys):
-    code, out, err = run(argv.split(), capsys)
+def test_errors_exit_2_with_the_message(argv, message, l5d):
+    code, out, err = l5d(argv.split())
     assert code == 2 and message in err and out == ""
 
 
-def test_plan_command_from_the_brief(capsys):
-    code, out, _ = run(
-        "plan --model llama3-8b --gpus 64 --gpu-mem 80 --gpus-per-node 8 --top 3".split(), capsys
-    )
+def test_plan_command_from_the_brief(l5d):
+    code, out, _ = l5d("plan --model llama3-8b --gpus 64 --gpu-mem 80 --gpus-per-node 8 --top 3".split())
     assert code == 0
     assert "why:" in out and out.count("\n") >= 6
 
 
-def test_plan_json_keys(capsys):
-    code, out, _ = run("plan --model l5d-tiny --gpus 4 --global-batch 16 --top 2 --json".split(), capsys)
+def test_plan_json_keys(l5d):
+    code, out, _ = l5d("plan --model l5d-tiny --gpus 4 --global-batch 16 --top 2 --json".split())
     assert code == 0
     rows = json.loads(out)["plan"]
     assert len(rows) == 2 and [r["rank"] for r in rows] == [1, 2]
@@ -126,17 +110,17 @@ def test_plan_json_keys(capsys):
         assert row["fits"] is True
 
 
-def test_estimate_plot(tmp_path, capsys):
+def test_estimate_plot(tmp_path, l5d):
     pytest.importorskip("matplotlib")
     png = tmp_path / "mem.png"
-    code, _, _ = run(["estimate", "--model", "l5d-tiny", "--dp", "2", "--plot", str(png)], capsys)
+    code, _, _ = l5d(["estimate", "--model", "l5d-tiny", "--dp", "2", "--plot", str(png)])
     assert code == 0 and png.read_bytes()[:8] == PNG_MAGIC
 
 
-def test_plan_plot(tmp_path, capsys):
+def test_plan_plot(tmp_path, l5d):
     pytest.importorskip("matplotlib")
     png = tmp_path / "plan.png"
-    code, _, _ = run(["plan", "--model", "l5d-tiny", "--gpus", "4", "--top", "4", "--plot", str(png)], capsys)
+    code, _, _ = l5d(["plan", "--model", "l5d-tiny", "--gpus", "4", "--top", "4", "--plot", str(png)])
     assert code == 0 and png.read_bytes()[:8] == PNG_MAGIC
 
 

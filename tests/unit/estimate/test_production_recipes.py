@@ -4,14 +4,13 @@ must fit the recipe's GPU (H100 80 GB unless its `cluster:` says otherwise), and
 printed (`pytest -rP` or `-s` shows it; `l5d estimate --recipe NAME` prints the whole estimate).
 """
 
-import argparse
 import json
 import re
 from pathlib import Path
 
 import pytest
 
-from lightning_5d.estimate import GIB, cli, get_preset
+from lightning_5d.estimate import GIB, get_preset
 from lightning_5d.estimate.recipe_check import check_recipe, check_recipe_name
 from lightning_5d.train import compose, validate
 
@@ -150,24 +149,15 @@ def test_405b_in_fp8_fits_and_prints_its_predicted_mfu():
     assert check.fits and not check.problems
 
 
-def run_cli(argv, capsys):
-    parser = argparse.ArgumentParser(prog="l5d")
-    cli.register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    code = args.func(args)
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
-def test_l5d_estimate_recipe(capsys):
-    code, out, _ = run_cli(["estimate", "--recipe", "mixtral_8x7b_32gpu", "--json"], capsys)
+def test_l5d_estimate_recipe(l5d):
+    code, out, _ = l5d(["estimate", "--recipe", "mixtral_8x7b_32gpu", "--json"])
     assert code == 0
     data = json.loads(out)
     assert data["recipe"] == "mixtral_8x7b_32gpu" and data["fits"] is True and data["problems"] == []
     assert data["setup"]["ep"] == 8 and data["setup"]["world_size"] == 32 and 0 < data["predicted_mfu"] < 1
-    code, out, _ = run_cli(["estimate", "--recipe", "llama3_8b_8gpu", "parallel.zero=1"], capsys)
+    code, out, _ = l5d(["estimate", "--recipe", "llama3_8b_8gpu", "parallel.zero=1"])
     assert code == 1 and "does NOT fit" in out
-    code, _, err = run_cli(["estimate", "--recipe", "no_such_recipe"], capsys)
+    code, _, err = l5d(["estimate", "--recipe", "no_such_recipe"])
     assert code == 2 and "no_such_recipe" in err
-    code, _, err = run_cli(["estimate", "--tp", "2"], capsys)
+    code, _, err = l5d(["estimate", "--tp", "2"])
     assert code == 2 and "--recipe" in err
