@@ -203,7 +203,7 @@ class StrategyCheckpoints:
             meta["optimizer_nontensor_state"] = _nontensor_stats(checkpoint.get("optimizer_states", []))
         except Exception as err:
             error = f"{type(err).__name__}: {err}"
-        self._raise_if(self._any_error(error), f"preparing checkpoint {final} failed")
+        self._raise_if(error, f"preparing checkpoint {final} failed")
         meta["rng_states"] = self._all_rng_states()
         layout = self._layout_record(contains=[k for k in ("state_dict", "optimizer_states") if k in checkpoint])
 
@@ -244,7 +244,7 @@ class StrategyCheckpoints:
             sharded.write_tensors(tensors, partial)
         except (Exception, CheckpointException) as err:
             error = f"{type(err).__name__}: {err}"
-        self._raise_if(self._any_error(error), f"writing {final} failed")
+        self._raise_if(error, f"writing {final} failed")
         if s.is_global_zero:
             try:
                 publish()
@@ -259,12 +259,12 @@ class StrategyCheckpoints:
             return
         pending, self._pending = self._pending, None
         pending.done.wait()
-        error = self._any_error(pending.error)
+        error = self._first_problem(pending.error)
         removals, self._deferred_removals = self._deferred_removals, []
-        if error is None:
-            for path in removals:
-                self.remove(path)
-        self._raise_if(error, "the asynchronous checkpoint save failed")
+        if error is not None:
+            raise _failure("the asynchronous checkpoint save failed", error)
+        for path in removals:
+            self.remove(path)
 
     def _prune(self, final: Path) -> None:
         if self.keep_last_k is not None:
@@ -460,18 +460,16 @@ class StrategyCheckpoints:
             _set_rng(self._rng_states)
             self._rng_states = None
 
-    def _any_error(self, error: str | None) -> str | None:
-        if not dist.is_initialized():
-            return error
-        errors: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        found = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
-        return "; ".join(found) if found else None
-
     def _raise_if(self, error: str | None, what: str) -> None:
-        error = self.strategy.broadcast(error)
+        """Raise on every rank if any rank has an error (a collective: a lone raising rank
+        would leave the others waiting in the next one)."""
+        error = self._first_problem(error)
         if error is not None:
-            raise CheckpointError(f"{what}: {error}. Nothing already on disk was changed.")
+            raise _failure(what, error)
+
+
+def _failure(what: str, error: str) -> CheckpointError:
+    return CheckpointError(f"{what}: {error}. Nothing already on disk was changed.")
 
 
 def _tensors_of(checkpoint: Mapping[str, Any]) -> dict[str, Tensor]:
