@@ -52,6 +52,10 @@ class PipelineSchedule(str, Enum):
     DUALPIPEV = "dualpipev"
 
 
+# Schedules that compute weight gradients apart from input gradients (FSDP2's hooks fire on the first).
+SPLIT_BACKWARD_SCHEDULES = (PipelineSchedule.ZERO_BUBBLE, PipelineSchedule.ZBV, PipelineSchedule.DUALPIPEV)
+
+
 class ContextParallelMode(str, Enum):
     RING = "ring"
     ALL_GATHER = "allgather"

@@ -39,6 +39,7 @@ from lightning_5d.config import (
     Layout,
     LoadBalancing,
     ParallelConfig,
+    PipelineSchedule,
     ZeroStage,
     validate_early,
 )
@@ -51,6 +52,7 @@ from lightning_5d.parallel.fsdp import apply_expert_fsdp, apply_fp8_gather_units
 from lightning_5d.parallel.grad_norm import clip_grad_norm_
 from lightning_5d.parallel.pipeline import PipelineMode, PipelineParallel
 from lightning_5d.parallel.pipeline_batch import PipelineError
+from lightning_5d.parallel.pipeline_fsdp import adopt_stage_units
 from lightning_5d.parallel.pipeline_loop import PipelineLoop, check_pipeline_supported
 from lightning_5d.parallel.tensor import TensorParallel
 from lightning_5d.parallel.vocab import loss_parallel_region
@@ -338,7 +340,8 @@ class FiveDStrategy(ParallelStrategy):
         if precision is not None:
             self._check_precision_supported(precision, pp, ep)
         if pp > 1:
-            check_pipeline_supported(module, self.config.zero, self._grad_scaler)
+            schedule = PipelineSchedule(self.config.pipeline.schedule)
+            check_pipeline_supported(module, self.config.zero, schedule, self._grad_scaler)
         if ep > 1 and self.config.sequence_parallel:
             raise ExpertParallelError(
                 "ep > 1 with sequence_parallel=true is not supported yet (each tp rank would route a different "
@@ -385,7 +388,12 @@ class FiveDStrategy(ParallelStrategy):
                 names = precision.enable_fp8_all_gather(module, dense)
                 linears = [module.get_submodule(n) for n in names]
                 inner = inner + apply_fp8_gather_units(linears, self.mesh, precision.reduce_dtype)
-            self._fsdp_units = inner + apply_fsdp(module, blocks, self.mesh, mp_policy=policy, inner=inner)
+            root_holds_blocks = self._pp is not None
+            units = apply_fsdp(module, blocks, self.mesh, policy, inner, root_holds_blocks=root_holds_blocks)
+            self._fsdp_units = inner + units
+            if self._pp is not None:
+                adopt_stage_units(self._fsdp_units)
+                self._pp.divide_loss_by_microbatches = True
         elif ep > 1:
             # Expert gradients reduce over the ranks holding the same experts, the rest over dp x cp.
             is_expert, stage, mb = self._ep.is_expert, self.config.zero, self.config.bucket_size_mb
@@ -479,6 +487,9 @@ class FiveDStrategy(ParallelStrategy):
             self._five_d_precision.after_backward(
                 self.lightning_module.automatic_optimization, accumulating=self._in_backward_sync_block
             )
+        self._sync_sequence_parallel_under_fsdp()
+
+    def _sync_sequence_parallel_under_fsdp(self) -> None:
         if self._tp is not None and self._fsdp_units and self._tp.sequence_parallel:
             if not self._in_backward_sync_block:  # FSDP2 reduced this step's gradients
                 self._tp.sync_sequence_parallel_grads(self.lightning_module)
@@ -516,6 +527,7 @@ class FiveDStrategy(ParallelStrategy):
             lambda mb: step(mb, *rest, **kwargs),
             batch,
             zero=self._zero,
+            fsdp_units=self._fsdp_units,
             cp=self._cp,
             step_region=self._step_region,
             device=self.root_device,
@@ -531,6 +543,7 @@ class FiveDStrategy(ParallelStrategy):
         self._pp_loop.restore_gradients()
         if self._zero is not None:
             self._zero.finish_gradient_sync()  # no hook fired during the schedule: reduce all of them now
+        self._sync_sequence_parallel_under_fsdp()  # the schedule's run reduced them (pipeline_fsdp.py)
         return self.precision_plugin.post_backward(closure_loss, module)
 
     def _check_manual_optimizers(self, precision: FiveDPrecision) -> None:

@@ -36,9 +36,12 @@ def apply_fsdp(
     mesh: ParallelMesh,
     mp_policy: MixedPrecisionPolicy | None = None,
     inner: Sequence[nn.Module] = (),
+    root_holds_blocks: bool = False,
 ) -> list[FSDPModule]:
     """Shard ``module`` in place; returns the FSDP units, outermost last. ``inner``: units
-    already sharded on another mesh (experts), whose parameters the blocks leave to them."""
+    already sharded on another mesh (experts), whose parameters the blocks leave to them.
+    ``root_holds_blocks``: the outermost unit must contain the blocks too, even on a rank that
+    holds nothing else (a middle pipeline stage), so that one FSDP root owns every unit."""
     dp_mesh = fsdp_mesh(mesh)
     policy = mp_policy or MixedPrecisionPolicy()
     units: list[FSDPModule] = []
@@ -52,7 +55,7 @@ def apply_fsdp(
         # The last block's parameters are needed first in backward: keep them gathered.
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1)
         units.append(block)  # type: ignore[arg-type]
-    root = _root_for_remaining(module, blocks)
+    root = _root_for_remaining(module, blocks, root_holds_blocks)
     if root is not None:
         fully_shard(root, mesh=dp_mesh, mp_policy=policy)
         units.append(root)  # type: ignore[arg-type]
@@ -100,13 +103,18 @@ def _set_prefetch(blocks: Sequence[FSDPModule]) -> None:
         nxt.set_modules_to_backward_prefetch([prev])
 
 
-def _root_for_remaining(module: nn.Module, blocks: Sequence[nn.Module]) -> nn.Module | None:
+def _root_for_remaining(module: nn.Module, blocks: Sequence[nn.Module], holds_blocks: bool) -> nn.Module | None:
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     owners = [
         name.rsplit(".", 1)[0] if "." in name else ""
         for name, p in module.named_parameters(remove_duplicate=False)
         if id(p) not in in_blocks
     ]
+    if holds_blocks and blocks:
+        # The block list's parent, not the list itself: a ModuleList's forward never runs.
+        ids = {id(b) for b in blocks}
+        block_path = next(name for name, m in module.named_modules() if id(m) in ids)
+        owners.append(".".join(block_path.split(".")[:-2]))
     if not owners:
         return None
     prefix = _common_prefix([o.split(".") if o else [] for o in owners])

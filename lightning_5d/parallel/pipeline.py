@@ -23,6 +23,7 @@ whole batch when microbatches carry equal numbers of counted tokens.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 from contextlib import contextmanager
@@ -93,7 +94,7 @@ class _Placeholder(nn.Module):
                 f"{self.name} ran on pipeline stage {self._runtime.running_stage}, but it belongs to another "
                 f"stage; the step must call it only after the model's blocks (final norm, head)."
             )
-        return self._runtime.placeholder_activation()
+        return self._runtime.placeholder_activation(self.name)
 
 
 class _StageModule(nn.Module):
@@ -226,6 +227,9 @@ class PipelineParallel:
         self.running_stage: int | None = None
         self._incoming: Tensor | None = None
         self._activation_meta: tuple[torch.Size, torch.dtype] | None = None
+        # What the embedding parts output on the first stage: under sequence parallelism the
+        # embedding's output is the whole sequence, the block input (what travels) one shard.
+        self._part_meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         self._probed_for: tuple | None = None
         self._schedules: dict[tuple, Any] = {}
         self._mode = PipelineMode.TRAIN
@@ -234,6 +238,9 @@ class PipelineParallel:
         self._results: dict[int, Any] = {}
         self._logs: dict[int, list[tuple[str, Any, dict]]] = {}
         self.loss_scale = 1.0
+        # FSDP units hold their gradients outside the parameters during the schedule, out of
+        # reach of torch's division by m: the loss carries it instead (set by the strategy).
+        self.divide_loss_by_microbatches = False
 
     # ------------------------------------------------------------------ placement
     def _part_paths(self) -> list[str]:
@@ -296,10 +303,10 @@ class PipelineParallel:
             return (x, *args[1:]), kwargs
         return args, {**kwargs, self._first_block_arg: x}
 
-    def placeholder_activation(self) -> Tensor:
+    def placeholder_activation(self, path: str | None = None) -> Tensor:
         if self._activation_meta is None:
             raise PipelineError("internal: the activation shape is not known yet (the probe has not run)")
-        shape, dtype = self._activation_meta
+        shape, dtype = self._part_meta.get(path, self._activation_meta)
         return torch.zeros(shape, dtype=dtype, device=self.device)
 
     # ------------------------------------------------------------------ running
@@ -419,12 +426,16 @@ class PipelineParallel:
         key = _shapes(self._microbatches[0])
         if self._activation_meta is not None and self._probed_for == key:
             return
-        meta, error = None, None
+        meta, error, parts = None, None, {}
         if self.owner[0] == self.rank:
             first = self._all_blocks["0"]
             self._container._modules = {"0": first}
             self._set(self.plan.embedding, self._real[self.plan.embedding])
             handle = first.register_forward_pre_hook(_stop_at_input, with_kwargs=True)
+            part_handles = [
+                self._real[path].register_forward_hook(functools.partial(_record_output, parts, path))
+                for path in self._first_params
+            ]
             try:
                 with torch.no_grad(), self._capture_logs(-1):
                     self._step_fn(self._microbatches[0])
@@ -434,6 +445,8 @@ class PipelineParallel:
                 error = f"{type(err).__name__}: {err}"
             finally:
                 handle.remove()
+                for h in part_handles:
+                    h.remove()
                 self._logs.pop(-1, None)
                 self._rest()
             if meta is None and error is None:
@@ -441,9 +454,9 @@ class PipelineParallel:
                     f"the step never called the model's first block ({self.plan.block_path(0)}); under pp the "
                     f"strategy runs the user's step to find the activations' shape."
                 )
-        box = [(meta, error)]
+        box = [(meta, error, parts)]
         dist.broadcast_object_list(box, group=self.group, group_src=self.owner[0])
-        meta, error = box[0]
+        meta, error, self._part_meta = box[0]
         if error is not None:
             raise PipelineError(f"pipeline stage 0 could not run the step up to the first block: {error}")
         self._activation_meta = (torch.Size(meta[0]), meta[1])
@@ -474,7 +487,8 @@ class PipelineParallel:
             stage_arg = (
                 stages if len(stages) > 1 or cls.__name__ not in ("ScheduleGPipe", "Schedule1F1B") else stages[0]
             )
-            self._schedules[key] = cls(stage_arg, self.microbatches, loss_fn=loss_fn, scale_grads=True)
+            scale_grads = not self.divide_loss_by_microbatches
+            self._schedules[key] = cls(stage_arg, self.microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
         return self._schedules[key]
 
     @staticmethod
@@ -483,6 +497,8 @@ class PipelineParallel:
 
     def _scaled_loss(self, output: Tensor, target: Tensor) -> Tensor:
         # The schedule divides by m; Lightning's own 1/accumulate never reaches a backward run here.
+        if self.divide_loss_by_microbatches:
+            return output * (self.loss_scale / self.microbatches)
         return output * self.loss_scale
 
     def mean_bubble(self) -> float:
@@ -514,6 +530,11 @@ class PipelineParallel:
 # ---------------------------------------------------------------------- helpers
 def _stop_at_boundary(module: nn.Module, args: tuple, output: Any) -> None:
     raise _StageBoundary(output[0] if isinstance(output, tuple) else output)
+
+
+def _record_output(record: dict, path: str, module: nn.Module, args: tuple, out: Any) -> None:
+    if isinstance(out, Tensor):
+        record.setdefault(path, (tuple(out.shape), out.dtype))
 
 
 def _stop_at_input(module: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -9,17 +9,18 @@ parameters until :meth:`PipelineLoop.restore_gradients`, where ZeRO reduces them
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
-from lightning_5d.config import ZeroStage
+from lightning_5d.config import SPLIT_BACKWARD_SCHEDULES, PipelineSchedule, ZeroStage
 from lightning_5d.parallel.pipeline import PipelineMode, PipelineParallel
 from lightning_5d.parallel.pipeline_batch import PipelineError, apply_logs
+from lightning_5d.parallel.pipeline_fsdp import hold_gradients, reduce_held_gradients
 
 
-def check_pipeline_supported(module: nn.Module, zero: ZeroStage, grad_scaler: Any) -> None:
+def check_pipeline_supported(module: nn.Module, zero: ZeroStage, schedule: PipelineSchedule, grad_scaler: Any) -> None:
     if grad_scaler is not None:
         raise PipelineError(
             "precision='16-mixed' scales the loss with a GradScaler, but under pp > 1 the pipeline schedule runs "
@@ -31,10 +32,11 @@ def check_pipeline_supported(module: nn.Module, zero: ZeroStage, grad_scaler: An
             "pp > 1 needs automatic optimization: the pipeline schedule runs every microbatch's backward, so "
             "a training_step that calls manual_backward cannot run under it. Use pp=1 for this module."
         )
-    if zero == ZeroStage.PARAMETERS:
+    if zero == ZeroStage.PARAMETERS and schedule in SPLIT_BACKWARD_SCHEDULES:
         raise PipelineError(
-            "zero=3 with pp > 1 is not supported yet: use zero=1 (or 2) with pp, which keeps the parameters "
-            "whole on each stage and shards the optimizer states over the data ranks."
+            f"zero=3 with pipeline.schedule={schedule.value}: the schedule computes weight gradients apart from "
+            f"input gradients, which FSDP2's gradient hooks do not follow. Use schedule=1f1b, interleaved_1f1b or "
+            f"afab with zero=3, or zero=1/2 with {schedule.value}."
         )
 
 
@@ -51,11 +53,13 @@ class PipelineLoop:
         batch: Any,
         *,
         zero: Any,
+        fsdp_units: Sequence[Any],
         cp: Any,
         step_region: Callable[[], AbstractContextManager],
         device: torch.device,
     ) -> Any:
-        """Run ``step`` per microbatch on each stage; ``zero``/``cp`` are the strategy's engines or None."""
+        """Run ``step`` per microbatch on each stage; ``zero``/``cp`` are the strategy's engines or None,
+        ``fsdp_units`` its ZeRO-3 units (empty below ZeRO-3)."""
         module = self.pipeline.module
         earlier: dict = {}
         if mode == PipelineMode.TRAIN:
@@ -70,11 +74,16 @@ class PipelineLoop:
                 p.grad = None
         if zero is not None:
             zero.paused = True  # the schedule's many backwards: reduce once, afterwards
+        held = mode == PipelineMode.TRAIN and bool(fsdp_units)
+        if held:
+            hold_gradients(fsdp_units)
         if cp is not None:
             batch = cp.begin(batch)  # the sequence shard first, then its microbatches
         try:
             with step_region():
                 out, logged = self.pipeline.run(mode, step, batch)
+                if held:
+                    reduce_held_gradients(fsdp_units)
                 if mode == PipelineMode.TRAIN and self.log_bubble:
                     logged = [*logged, ("pp_bubble", self.pipeline.mean_bubble(), {"prog_bar": False})]
                 apply_logs(module, logged, device)  # inside: cp's token weighting applies too

@@ -22,6 +22,8 @@ PAIRS = {
     "pp4-to-pp2_dp2": ("tiny_deep", 8, (4, ["--pp", "4", "--zero", "1", "--microbatches", "4"]),
                        (4, ["--pp", "2", "--zero", "1", "--microbatches", "2"])),
     "ep2-to-ep4": ("tiny_moe", 8, (2, ["--ep", "2", "--zero", "1"]), (4, ["--ep", "4", "--zero", "1"])),
+    "pp2_zero3-to-dp4_zero1": ("tiny_deep", 8, (4, ["--pp", "2", "--zero", "3", "--microbatches", "2"]),
+                               (4, ["--zero", "1"])),
 }  # fmt: skip
 
 

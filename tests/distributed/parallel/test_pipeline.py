@@ -28,11 +28,11 @@ def pipeline_args(pp: int, schedule: str, microbatches: int) -> list[str]:
             "--microbatches", str(microbatches), "--batch-size", str(BATCH)]  # fmt: skip
 
 
-def check_reference(tmp_path, nproc, pp, schedule, microbatches, tp=1, sp=False, accumulate=1, clip=None, cp=1):
+def check_reference(tmp_path, nproc, pp, schedule, microbatches, tp=1, sp=False, accumulate=1, clip=None, cp=1, zero=1):
     result, params = run_layout(
         tmp_path,
         nproc,
-        zero=1,
+        zero=zero,
         accumulate=accumulate,
         clip=clip,
         steps=STEPS,
@@ -99,6 +99,22 @@ def test_pipeline_with_data_parallel_accumulation_and_clipping(tmp_path):
 @pytest.mark.timeout(300)
 def test_pipeline_with_tensor_parallel(tmp_path):
     check_reference(tmp_path, 4, 2, "interleaved_1f1b", microbatches=4, tp=2, sp=True)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_pipeline_with_zero3_accumulation_and_clipping(tmp_path):
+    # FSDP2 units gather once per pipeline run and reduce-scatter once after it; a window of 2
+    # Lightning batches adds the second run's sharded gradients to the first's.
+    check_reference(tmp_path, 4, 2, "interleaved_1f1b", microbatches=4, accumulate=2, clip=0.5, zero=3)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_pipeline_with_zero3_middle_stages(tmp_path):
+    # pp=4: the middle stages hold blocks only; one FSDP root must still own their units.
+    check_reference(tmp_path, 8, 4, "1f1b", microbatches=8, zero=3)
 
 
 @pytest.mark.distributed

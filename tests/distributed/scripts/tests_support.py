@@ -18,6 +18,7 @@ MODELS = {
     "tiny_deep": replace(TINY, num_layers=8),  # pp=4 x virtual_stages=2 needs 8 blocks
     "tiny_moe": replace(TINY, num_experts=4, experts_top_k=2, num_shared_experts=1, moe_intermediate_size=64),
 }
+MODELS["tiny_moe_deep"] = replace(MODELS["tiny_moe"], num_layers=4)  # pp=2 x virtual_stages=2 needs 4 blocks
 SEQ_LEN = 32
 BATCH_SIZE = 2  # per data rank
 NUM_SAMPLES = 256
@@ -50,7 +51,7 @@ SCRIPTS = Path(__file__).parent
 
 def run_layout(out: Path, nproc: int, zero: int, dp_replicate: int = 1, accumulate: int = 1, clip=None,
                steps: int = 5, precision: str = "32-true", extra=(), tp: int = 1, sp: bool = False,
-               model: str = "tiny", cp: int = 1):  # fmt: skip
+               model: str = "tiny", cp: int = 1, timeout: float = 240):  # fmt: skip
     """Train TINY under FiveDStrategy on ``nproc`` processes; returns (result.json, final params)."""
     from lightning_5d.testing import run_distributed
 
@@ -59,7 +60,7 @@ def run_layout(out: Path, nproc: int, zero: int, dp_replicate: int = 1, accumula
             "--model", model, "--cp", str(cp), *(["--sp"] if sp else []), *extra]  # fmt: skip
     if clip is not None:
         args += ["--clip", str(clip)]
-    run_distributed(SCRIPTS / "train_llama.py", nproc, args, timeout=240).check()
+    run_distributed(SCRIPTS / "train_llama.py", nproc, args, timeout=timeout).check()
     return json.loads((out / "result.json").read_text()), torch.load(out / "params.pt")
 
 
@@ -69,6 +70,11 @@ def parameter_vector_error(params: dict, ref_params: dict) -> float:
     diff = sum((params[k].double() - v.double()).norm() ** 2 for k, v in ref_params.items()) ** 0.5
     total = sum(v.double().norm() ** 2 for v in ref_params.values()) ** 0.5
     return float(diff / total)
+
+
+def relative(a, b) -> float:
+    """The largest per-step difference of two loss curves, relative to the smaller ``b``."""
+    return (torch.tensor(a) - torch.tensor(b)).abs().max().item() / torch.tensor(b).abs().min().item()
 
 
 LOSS_RTOL = 1e-5

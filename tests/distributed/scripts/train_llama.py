@@ -194,7 +194,8 @@ dist.all_gather_object(per_rank, record)
 if dist.get_rank() == 0:
     out = Path(args.out)
     torch.save({k: v.detach().clone() for k, v in state.items()}, out / "params.pt")
-    layout = {**strategy.layout.sizes(), "zero": int(strategy.zero_stage), "sp": strategy.config.sequence_parallel}
+    layout = {**strategy.layout.sizes(), "ep": strategy.layout.ep, "zero": int(strategy.zero_stage)}
+    layout["sp"] = strategy.config.sequence_parallel
     (out / "result.json").write_text(
         json.dumps({"losses": losses.tolist(), "model_state_bytes": per_rank, "layout": layout})
     )
