@@ -25,7 +25,7 @@ def build_hf_model(name: str, layers: int = 2):
                                 num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64)  # fmt: skip
         return tf.Qwen2ForCausalLM(config)
     if name == "gpt2":  # fused c_attn Conv1D, learned positions, tied head
-        config = tf.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+        config = tf.GPT2Config(vocab_size=256, n_embd=64, n_layer=layers, n_head=4, n_positions=64,
                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
         return tf.GPT2LMHeadModel(config)
     if name == "mixtral":  # grouped experts: [E, ...] weights called as experts(x, top_k_index, top_k_weights)
