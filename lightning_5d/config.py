@@ -52,8 +52,8 @@ class PipelineSchedule(str, Enum):
     DUALPIPEV = "dualpipev"
 
 
-# Schedules that compute weight gradients apart from input gradients (FSDP2's hooks fire on the first).
-SPLIT_BACKWARD_SCHEDULES = (PipelineSchedule.ZERO_BUBBLE, PipelineSchedule.ZBV, PipelineSchedule.DUALPIPEV)
+# Schedules that split each backward into input-gradient (B) and weight-gradient (W) work.
+SPLIT_BACKWARD = frozenset({PipelineSchedule.ZERO_BUBBLE, PipelineSchedule.ZBV, PipelineSchedule.DUALPIPEV})
 
 
 class ContextParallelMode(str, Enum):

@@ -15,7 +15,7 @@ import sys
 from fractions import Fraction
 from typing import Any
 
-from lightning_5d.config import LayoutError, PipelineSchedule
+from lightning_5d.config import SPLIT_BACKWARD, LayoutError, PipelineSchedule
 from lightning_5d.estimate.schedule import bubble_fraction
 from lightning_5d.parallel.pipeline_actions import (
     ActionCosts,
@@ -26,7 +26,7 @@ from lightning_5d.parallel.pipeline_actions import (
     action_lists,
     simulate,
 )
-from lightning_5d.parallel.pipeline_schedule import SPLIT_BACKWARD, V_SHAPED, default_microbatches
+from lightning_5d.parallel.pipeline_schedule import V_SHAPED, default_microbatches
 
 PLOT_EXTRA = "pip install 'lightning_5d[plot]'"
 

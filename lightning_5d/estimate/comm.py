@@ -132,7 +132,7 @@ def data_parallel_comm(
     all-gather updated params, once per step. Z2: the reduce-scatter runs every microbatch
     (grads are sharded, so they cannot accumulate unsharded), the all-gather once. Z3: all-gather
     before forward and again before backward, reduce-scatter after backward, every microbatch,
-    one layer at a time. A dp_replicate > 1 (HSDP) adds an all-reduce of the shard across replicas.
+    one layer at a time; under pp the reduce-scatter runs once per pipeline run. A dp_replicate > 1 (HSDP) adds an all-reduce of the shard across replicas.
     """
     if psi <= 0:
         return []
@@ -153,7 +153,9 @@ def data_parallel_comm(
     if zero == ZeroStage.PARAMETERS:
         out = [
             entry(Collective.ALL_GATHER, n, 2 * M, params, links.shard, "params (fwd+bwd)", layers),
-            entry(Collective.REDUCE_SCATTER, n, M, grads, links.shard, "grads", layers),
+            # Under pp the units hold gradients for the whole schedule run and reduce once after it.
+            entry(Collective.REDUCE_SCATTER, n, setup.grad_accum if setup.pp > 1 else M, grads, links.shard,
+                  "grads", layers),  # fmt: skip
         ]
     else:
         out = [

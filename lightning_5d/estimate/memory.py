@@ -207,7 +207,12 @@ def buffer_bytes(spec: ModelSpec, setup: TrainingSetup, rank: RankParams) -> dic
     param_b, grad_b, _ = bytes_per_param(setup.precision, setup.fp32_grad_accumulation)
     layer = rank.layer_dense + rank.layer_expert
     out: dict[str, float] = {}
-    if setup.zero >= ZeroStage.PARAMETERS and setup.zero_group > 1:
+    if setup.zero >= ZeroStage.PARAMETERS and setup.zero_group > 1 and setup.pp > 1:
+        # Under a pipeline schedule the units reduce once per run (parallel/pipeline_fsdp.py):
+        # until then the rank's full gradients wait unreduced (fp32, FSDP's reduce dtype) and,
+        # by the last backward, every layer of the rank is gathered.
+        out["zero3_pipeline_held"] = rank.total * (param_b + 4)
+    elif setup.zero >= ZeroStage.PARAMETERS and setup.zero_group > 1:
         # FSDP keeps the gathered weights of the running layer and the prefetched next one,
         # plus one layer's full gradients before its reduce-scatter.
         out["zero3_gather"] = 2 * layer * param_b + layer * grad_b

@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_5d.config import SPLIT_BACKWARD_SCHEDULES, PipelineSchedule, ZeroStage
+from lightning_5d.config import SPLIT_BACKWARD, PipelineSchedule, ZeroStage
 
 from .estimator import Estimate, estimate
 from .flops import training_flops
@@ -315,7 +315,7 @@ def check_recipe(cfg: Any, recipe: str | None = None, validate: bool = True, **c
                 f"most loaded stage's {max(blocks)}, so memory is an upper bound and the step is the slowest "
                 f"stage's; MFU counts the real {spec.num_layers} layers' FLOPs"
             )
-    if setup.pp > 1 and setup.zero == ZeroStage.PARAMETERS and setup.schedule in SPLIT_BACKWARD_SCHEDULES:
+    if setup.pp > 1 and setup.zero == ZeroStage.PARAMETERS and setup.schedule in SPLIT_BACKWARD:
         problems.append(
             f"zero=3 with schedule={setup.schedule.value}: the runtime refuses it (FSDP2 does not follow a split "
             f"backward); use 1f1b, interleaved_1f1b or afab with zero=3"

@@ -1,10 +1,12 @@
-"""ZeRO-3 under a pipeline schedule: FSDP2 units that gather once per run and reduce once.
+"""ZeRO-3 under a pipeline schedule: FSDP2 units that reduce-scatter once per run.
 
 The schedule runs every microbatch's backward as its own autograd call, through our stage
 module rather than an FSDP module, so torch's pipelining never sees FSDP. Left alone, FSDP
-would reduce-scatter and reshard after each of those calls (m times per step). Instead the
-units keep their parameters gathered and accumulate unsharded gradients for the whole run,
-then every group reduces once, as torch's own stage does for a stage that *is* an FSDP module.
+would reduce-scatter after each of those calls (m times per run). Instead the units accumulate
+unsharded gradients for the whole run and stay gathered after each backward, then every group
+reduces once, as torch's own stage does for a stage that *is* an FSDP module. The price is
+memory while the run lasts: the rank's full gradients (in the reduce dtype) and, by the end,
+its gathered parameters; the planner counts both (estimate/memory.py, buffer_bytes).
 """
 
 from __future__ import annotations
@@ -28,20 +30,37 @@ def adopt_stage_units(units: Sequence[FSDPModule]) -> None:
         fully_shard.state(outer)._lazy_init()
 
 
+def _set_holding(units: Sequence[FSDPModule], holding: bool) -> None:
+    for unit in units:
+        unit.set_is_last_backward(not holding)
+        unit.set_reshard_after_backward(not holding, recurse=False)
+        unit.set_requires_gradient_sync(not holding, recurse=False)
+
+
 def hold_gradients(units: Sequence[FSDPModule]) -> None:
     """Before a schedule: keep parameters gathered and gradients unreduced across its backwards."""
+    _set_holding(units, True)
+
+
+def drop_held_gradients(units: Sequence[FSDPModule]) -> None:
+    """After a schedule that raised: forget its partial gradients, back to sharded parameters.
+
+    Otherwise a later run in the same process (fit again) would reduce them with its own.
+    """
+    _set_holding(units, False)
     for unit in units:
-        unit.set_is_last_backward(False)
-        unit.set_reshard_after_backward(False, recurse=False)
-        unit.set_requires_gradient_sync(False, recurse=False)
+        state = fully_shard.state(unit)
+        for group in state._fsdp_param_groups:
+            for param in group.fsdp_params:
+                param.unsharded_accumulated_grad = None
+                param.unsharded_param.grad = None
+        if state._is_root:
+            unit.reset_iter_state()  # waits for collectives in flight, reshards, resets the states
 
 
 def reduce_held_gradients(units: Sequence[FSDPModule]) -> None:
     """After a schedule: reduce-scatter each unit's accumulated gradient once, then reshard."""
-    for unit in units:
-        unit.set_is_last_backward(True)
-        unit.set_reshard_after_backward(True, recurse=False)
-        unit.set_requires_gradient_sync(True, recurse=False)
+    _set_holding(units, False)
     roots = {}
     for unit in units:
         state = fully_shard.state(unit)

@@ -14,10 +14,10 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from lightning_5d.config import SPLIT_BACKWARD_SCHEDULES, PipelineSchedule, ZeroStage
+from lightning_5d.config import SPLIT_BACKWARD, PipelineSchedule, ZeroStage
 from lightning_5d.parallel.pipeline import PipelineMode, PipelineParallel
 from lightning_5d.parallel.pipeline_batch import PipelineError, apply_logs
-from lightning_5d.parallel.pipeline_fsdp import hold_gradients, reduce_held_gradients
+from lightning_5d.parallel.pipeline_fsdp import drop_held_gradients, hold_gradients, reduce_held_gradients
 
 
 def check_pipeline_supported(module: nn.Module, zero: ZeroStage, schedule: PipelineSchedule, grad_scaler: Any) -> None:
@@ -32,7 +32,7 @@ def check_pipeline_supported(module: nn.Module, zero: ZeroStage, schedule: Pipel
             "pp > 1 needs automatic optimization: the pipeline schedule runs every microbatch's backward, so "
             "a training_step that calls manual_backward cannot run under it. Use pp=1 for this module."
         )
-    if zero == ZeroStage.PARAMETERS and schedule in SPLIT_BACKWARD_SCHEDULES:
+    if zero == ZeroStage.PARAMETERS and schedule in SPLIT_BACKWARD:
         raise PipelineError(
             f"zero=3 with pipeline.schedule={schedule.value}: the schedule computes weight gradients apart from "
             f"input gradients, which FSDP2's gradient hooks do not follow. Use schedule=1f1b, interleaved_1f1b or "
@@ -84,10 +84,13 @@ class PipelineLoop:
                 out, logged = self.pipeline.run(mode, step, batch)
                 if held:
                     reduce_held_gradients(fsdp_units)
+                    held = False
                 if mode == PipelineMode.TRAIN and self.log_bubble:
                     logged = [*logged, ("pp_bubble", self.pipeline.mean_bubble(), {"prog_bar": False})]
                 apply_logs(module, logged, device)  # inside: cp's token weighting applies too
         finally:
+            if held:  # the run raised before its reduce
+                drop_held_gradients(fsdp_units)
             if zero is not None:
                 zero.paused = False
             if cp is not None:

@@ -24,8 +24,6 @@ _CLASSES = {
 }
 SINGLE_STAGE = frozenset({PipelineSchedule.AFAB, PipelineSchedule.ONE_F_ONE_B})
 V_SHAPED = frozenset({PipelineSchedule.ZBV, PipelineSchedule.DUALPIPEV})
-# Schedules that split each backward into input-gradient (B) and weight-gradient (W) work.
-SPLIT_BACKWARD = frozenset({PipelineSchedule.ZERO_BUBBLE, PipelineSchedule.ZBV, PipelineSchedule.DUALPIPEV})
 
 
 def schedule_class(schedule: PipelineSchedule | str) -> type:

@@ -60,15 +60,6 @@ def test_patching_is_undone_and_nested_counters_share_it():
     assert dist.all_reduce is originals["all_reduce"]
 
 
-@pytest.fixture
-def world_of_one():
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # all_gather_into_tensor is deprecated, still public
 def test_counts_calls_in_a_world_of_one(world_of_one):
     with CollectiveCounter() as counter:

@@ -104,7 +104,7 @@ def test_pipeline_with_tensor_parallel(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_pipeline_with_zero3_accumulation_and_clipping(tmp_path):
-    # FSDP2 units gather once per pipeline run and reduce-scatter once after it; a window of 2
+    # FSDP2 units hold their gradients for a pipeline run and reduce-scatter once after it; a window of 2
     # Lightning batches adds the second run's sharded gradients to the first's.
     check_reference(tmp_path, 4, 2, "interleaved_1f1b", microbatches=4, accumulate=2, clip=0.5, zero=3)
 

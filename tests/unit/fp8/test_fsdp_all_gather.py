@@ -21,15 +21,6 @@ def quant_dequant(w):
     return (w * scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() / scale
 
 
-@pytest.fixture
-def world_of_one():
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 class FakeMesh:
     """What fsdp_pre_all_gather uses of a DeviceMesh: the group (here of 1 rank, so no
     all-reduce) and the shard count (here pretended, to exercise the padding)."""
