@@ -12,18 +12,21 @@ import pytest
 import torch
 
 from reference import reference_run
-from tests_support import run_layout
+from tests_support import LayoutRuns, selected_cases
 
 STEPS = 5
 TOLERANCES = {  # precision: (loss rtol, parameter norm-relative error, parameter element atol)
     "32-true": (1e-5, 5e-5, 1e-4),
-    "64-true": (1e-6, 1e-7, 1e-7),  # the model computes its loss in fp32, which bounds these
+    # The model computes its loss in fp32, which bounds these: on an AMD EPYC host the 2-rank runs
+    # of every stage (ZeRO-0 included) differ from one process by 2.55e-7 in the embedding's norm,
+    # through one nearly cancelling element (6.6e-7 of 4.5e-3), where Adam's 1/sqrt(v) amplifies.
+    "64-true": (1e-6, 5e-7, 1e-6),
 }
 DTYPES = {"32-true": torch.float32, "64-true": torch.float64}
 
 
-def check_layout(tmp_path, nproc, zero, dp_replicate, accumulate, clip, precision):
-    result, params = run_layout(tmp_path, nproc, zero, dp_replicate, accumulate, clip, steps=STEPS, precision=precision)
+def check_layout(runs, nproc, zero, dp_replicate, accumulate, clip, precision):
+    result, params = runs[(nproc, zero, dp_replicate, accumulate, clip, precision)]
     ref_losses, ref_params = reference_run(STEPS, nproc, accumulate, clip, DTYPES[precision])
     loss_rtol, norm_rtol, element_atol = TOLERANCES[precision]
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=loss_rtol, atol=0)
@@ -49,16 +52,32 @@ FULL = [
 PARAMS = "nproc,zero,dp_replicate,accumulate,clip,precision"
 
 
+def layout_case(test_name: str, params: dict):
+    if not test_name.startswith("test_zero_matches_single_process"):
+        return None
+    key = tuple(params[name] for name in PARAMS.split(","))
+    nproc, zero, dp_replicate, accumulate, clip, precision = key
+    options = dict(zero=zero, dp_replicate=dp_replicate, accumulate=accumulate, clip=clip, steps=STEPS,
+                   precision=precision)  # fmt: skip
+    return key, (nproc, options)
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    """Every selected case of this module, trained in one launch per process count."""
+    return LayoutRuns(tmp_path_factory.mktemp("zero"), selected_cases(request, layout_case))
+
+
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)  # the first case of a process count trains its whole batch
 @pytest.mark.parametrize(PARAMS, FAST)
-def test_zero_matches_single_process(tmp_path, nproc, zero, dp_replicate, accumulate, clip, precision):
-    check_layout(tmp_path, nproc, zero, dp_replicate, accumulate, clip, precision)
+def test_zero_matches_single_process(runs, nproc, zero, dp_replicate, accumulate, clip, precision):
+    check_layout(runs, nproc, zero, dp_replicate, accumulate, clip, precision)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize(PARAMS, FULL)
-def test_zero_matches_single_process_full(tmp_path, nproc, zero, dp_replicate, accumulate, clip, precision):
-    check_layout(tmp_path, nproc, zero, dp_replicate, accumulate, clip, precision)
+def test_zero_matches_single_process_full(runs, nproc, zero, dp_replicate, accumulate, clip, precision):
+    check_layout(runs, nproc, zero, dp_replicate, accumulate, clip, precision)

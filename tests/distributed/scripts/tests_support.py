@@ -49,19 +49,77 @@ def make_datamodule(num_samples: int | None = None, batch_size: int = BATCH_SIZE
 SCRIPTS = Path(__file__).parent
 
 
-def run_layout(out: Path, nproc: int, zero: int, dp_replicate: int = 1, accumulate: int = 1, clip=None,
-               steps: int = 5, precision: str = "32-true", extra=(), tp: int = 1, sp: bool = False,
-               model: str = "tiny", cp: int = 1, timeout: float = 240):  # fmt: skip
+def layout_args(zero, dp_replicate: int = 1, accumulate: int = 1, clip=None, steps: int = 5,
+                precision: str = "32-true", extra=(), tp: int = 1, sp: bool = False, model: str = "tiny",
+                cp: int = 1) -> list[str]:  # fmt: skip
+    """train_llama.py's arguments for one run of TINY (or ``model``) under FiveDStrategy."""
+    args = ["--zero", str(zero), "--dp-replicate", str(dp_replicate), "--accumulate", str(accumulate),
+            "--steps", str(steps), "--precision", precision, "--tp", str(tp),
+            "--model", model, "--cp", str(cp), *(["--sp"] if sp else []), *extra]  # fmt: skip
+    return args if clip is None else [*args, "--clip", str(clip)]
+
+
+def read_run(out: Path):
+    """(result.json, final full params) of one train_llama.py run."""
+    return json.loads((out / "result.json").read_text()), torch.load(out / "params.pt")
+
+
+def run_layout(out: Path, nproc: int, zero, dp_replicate: int = 1, accumulate: int = 1, clip=None, *,
+               timeout: float = 240, **options):  # fmt: skip
     """Train TINY under FiveDStrategy on ``nproc`` processes; returns (result.json, final params)."""
     from lightning_5d.testing import run_distributed
 
-    args = ["--zero", str(zero), "--dp-replicate", str(dp_replicate), "--accumulate", str(accumulate),
-            "--steps", str(steps), "--precision", precision, "--out", str(out), "--tp", str(tp),
-            "--model", model, "--cp", str(cp), *(["--sp"] if sp else []), *extra]  # fmt: skip
-    if clip is not None:
-        args += ["--clip", str(clip)]
+    args = [*layout_args(zero, dp_replicate, accumulate, clip, **options), "--out", str(out)]
     run_distributed(SCRIPTS / "train_llama.py", nproc, args, timeout=timeout).check()
-    return json.loads((out / "result.json").read_text()), torch.load(out / "params.pt")
+    return read_run(out)
+
+
+class LayoutRuns:
+    """A test module's cases of train_llama.py, run in one launch per process count on first use.
+
+    Starting the ranks (torch and Lightning imported on every process) costs more than a tiny
+    case; one launch trains every case of the same process count one after another.
+    ``cases`` maps a key (a test's parameters) to ``(nproc, run_layout options)``; build it with
+    :func:`selected_cases` so that only the tests pytest selected (-m, -k) are run.
+    """
+
+    def __init__(self, out: Path, cases: dict, timeout_per_case: float = 60):
+        self.out, self.cases, self.timeout_per_case = out, cases, timeout_per_case
+        self.ids = {key: f"case{i}" for i, key in enumerate(cases)}
+        self.done: set[int] = set()
+
+    def __getitem__(self, key):
+        nproc = self.cases[key][0]
+        if nproc not in self.done:
+            self._launch(nproc)
+        return read_run(self.out / self.ids[key])
+
+    def _launch(self, nproc: int) -> None:
+        from lightning_5d.testing import run_distributed
+
+        batch = [{"argv": layout_args(**options), "out": str(self.out / self.ids[key])}
+                 for key, (n, options) in self.cases.items() if n == nproc]  # fmt: skip
+        listing = self.out / f"cases_{nproc}.json"
+        listing.write_text(json.dumps(batch))
+        self.done.add(nproc)  # a failed launch fails every case of it, once
+        timeout = 60 + self.timeout_per_case * len(batch)
+        run_distributed(SCRIPTS / "train_llama.py", nproc, ["--cases", str(listing)], timeout=timeout).check()
+
+
+def selected_cases(request, case_of) -> dict:
+    """``{key: (nproc, options)}`` for the selected tests of the requesting module.
+
+    ``case_of(test_name, params)`` returns ``(key, (nproc, options))`` for a test that trains
+    through :class:`LayoutRuns`, or None. Reading the session's selected items keeps a batch to
+    what this pytest run asked for: a fast-tier run does not train the slow cases.
+    """
+    cases = {}
+    for item in request.session.items:
+        if getattr(item, "module", None) is request.module and hasattr(item, "callspec"):
+            found = case_of(item.originalname, item.callspec.params)
+            if found is not None:
+                cases[found[0]] = found[1]
+    return cases
 
 
 def parameter_vector_error(params: dict, ref_params: dict) -> float:

@@ -8,6 +8,7 @@ final full parameters, and each rank's model-state bytes measured before the 2nd
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -56,7 +57,6 @@ parser.add_argument("--keep-last-k", type=int, default=None)
 parser.add_argument("--kill-during-save", type=int, default=0, help="SIGKILL the last rank mid-write at this step")
 parser.add_argument("--resume", default=None, help="checkpoint to resume from (Trainer.fit ckpt_path)")
 parser.add_argument("--out", required=True)
-args = parser.parse_args()
 
 
 class MeasureModelState(L.Callback):
@@ -81,35 +81,6 @@ class MeasureModelState(L.Callback):
             self.bytes = model_state_bytes(pl_module, trainer.optimizers).as_dict()
 
 
-L.seed_everything(0)
-model = RecordingLM(config=MODELS[args.model])
-if args.zero == "auto":
-    strategy = "5d"
-else:
-    strategy = lightning_5d.FiveDStrategy(
-        dp_replicate=args.dp_replicate,
-        tp=args.tp,
-        cp=args.cp,
-        pp=args.pp,
-        ep=args.ep,
-        expert={"capacity_factor": args.capacity_factor, "load_balancing": args.balancing},
-        pipeline={
-            "schedule": args.schedule,
-            "microbatches": args.microbatches,
-            "virtual_stages": args.virtual_stages,
-            "log_bubble": args.pp > 1,
-        },
-        context={"mode": args.cp_mode, "sharding": args.cp_sharding},
-        sequence_parallel=args.sp,
-        zero=int(args.zero),
-        activation_checkpointing=args.ac,
-        checkpoint_format=args.checkpoint_format,
-        checkpoint_write=args.checkpoint_write,
-        keep_last_k=args.keep_last_k,
-        bucket_size_mb=0.05,
-    )
-
-
 class RecordLogged(L.Callback):
     """Under pp the step runs once per microbatch on the last stage only: record what every rank logged."""
 
@@ -120,82 +91,133 @@ class RecordLogged(L.Callback):
         self.losses.append(trainer.callback_metrics["train_loss"].detach().clone().float())
 
 
-measure = MeasureModelState()
-logged_losses = RecordLogged()
-callbacks = [measure, logged_losses]
-if args.save:
-    callbacks.append(ModelCheckpoint(dirpath=args.out, filename="{epoch}", save_top_k=-1, save_on_train_epoch_end=True))
-if args.save_every:
-    every = ModelCheckpoint(dirpath=args.out, filename="{step}", save_top_k=-1, every_n_train_steps=args.save_every)
-    callbacks.append(every)
-precision, plugins = args.precision, []
-if args.precision.startswith("fp8") or args.reduce_dtype != "fp32" or args.accumulation_dtype != "bf16":
-    fp8 = {"fp8": {"fp8_all_gather": True}} if args.fp8_all_gather else {}
-    guard = {"numerics_check_every": args.numerics_every} if args.numerics_every else {}
-    dtypes = {"reduce_dtype": args.reduce_dtype, "accumulation_dtype": args.accumulation_dtype}
-    plugin = lightning_5d.FiveDPrecision.from_string(args.precision, **dtypes, **fp8, **guard)
-    precision, plugins = None, [plugin]
-if args.kill_during_save:
-    import signal
+def run(args: argparse.Namespace) -> None:
+    """One training run as the arguments say; rank 0 writes result.json and params.pt in --out."""
+    L.seed_everything(0)
+    model = RecordingLM(config=MODELS[args.model])
+    if args.zero == "auto":
+        strategy = "5d"
+    else:
+        strategy = lightning_5d.FiveDStrategy(
+            dp_replicate=args.dp_replicate,
+            tp=args.tp,
+            cp=args.cp,
+            pp=args.pp,
+            ep=args.ep,
+            expert={"capacity_factor": args.capacity_factor, "load_balancing": args.balancing},
+            pipeline={
+                "schedule": args.schedule,
+                "microbatches": args.microbatches,
+                "virtual_stages": args.virtual_stages,
+                "log_bubble": args.pp > 1,
+            },
+            context={"mode": args.cp_mode, "sharding": args.cp_sharding},
+            sequence_parallel=args.sp,
+            zero=int(args.zero),
+            activation_checkpointing=args.ac,
+            checkpoint_format=args.checkpoint_format,
+            checkpoint_write=args.checkpoint_write,
+            keep_last_k=args.keep_last_k,
+            bucket_size_mb=0.05,
+        )
 
-    from torch.distributed.checkpoint import FileSystemWriter
+    measure = MeasureModelState()
+    logged_losses = RecordLogged()
+    callbacks = [measure, logged_losses]
+    if args.save:
+        callbacks.append(ModelCheckpoint(dirpath=args.out, filename="{epoch}", save_top_k=-1, save_on_train_epoch_end=True))
+    if args.save_every:
+        every = ModelCheckpoint(dirpath=args.out, filename="{step}", save_top_k=-1, every_n_train_steps=args.save_every)
+        callbacks.append(every)
+    precision, plugins = args.precision, []
+    if args.precision.startswith("fp8") or args.reduce_dtype != "fp32" or args.accumulation_dtype != "bf16":
+        fp8 = {"fp8": {"fp8_all_gather": True}} if args.fp8_all_gather else {}
+        guard = {"numerics_check_every": args.numerics_every} if args.numerics_every else {}
+        dtypes = {"reduce_dtype": args.reduce_dtype, "accumulation_dtype": args.accumulation_dtype}
+        plugin = lightning_5d.FiveDPrecision.from_string(args.precision, **dtypes, **fp8, **guard)
+        precision, plugins = None, [plugin]
+    if args.kill_during_save:
+        import signal
 
-    write_data = FileSystemWriter.write_data
+        from torch.distributed.checkpoint import FileSystemWriter
 
-    def write_then_die(self, plan, planner):
-        if trainer.global_step == args.kill_during_save and dist.get_rank() == dist.get_world_size() - 1:
-            os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or a node failure would
-        return write_data(self, plan, planner)
+        write_data = FileSystemWriter.write_data
 
-    FileSystemWriter.write_data = write_then_die
-trainer = L.Trainer(
-    accelerator="cpu",
-    strategy=strategy,
-    plugins=plugins,
-    devices=int(os.environ["WORLD_SIZE"]),
-    precision=precision,
-    max_steps=-1 if args.max_epochs else args.steps,
-    max_epochs=args.max_epochs,
-    accumulate_grad_batches=args.accumulate,
-    gradient_clip_val=args.clip,
-    logger=False,
-    enable_checkpointing=args.save or bool(args.save_every),
-    enable_progress_bar=False,
-    enable_model_summary=False,
-    limit_val_batches=args.val_batches,
-    num_sanity_val_steps=args.val_batches,
-    val_check_interval=args.steps if args.val_batches else None,
-    callbacks=callbacks,
-)
-batch_size = {"batch_size": args.batch_size} if args.batch_size else {}
-trainer.fit(model, datamodule=make_datamodule(args.num_samples, **batch_size), ckpt_path=args.resume)
-strategy = trainer.strategy
+        def write_then_die(self, plan, planner):
+            if trainer.global_step == args.kill_during_save and dist.get_rank() == dist.get_world_size() - 1:
+                os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or a node failure would
+            return write_data(self, plan, planner)
 
-losses = torch.stack(model.losses if args.pp == 1 else logged_losses.losses)
-dist.all_reduce(losses, group=strategy.mesh.group("dp"))
-losses /= strategy.mesh.data_size
-state = strategy.full_model_state()  # full tensors, whatever the layout
-per_rank = [None] * dist.get_world_size()
-logged = trainer.callback_metrics.get("train_loss")  # what the unchanged training_step logged last
-record = {
-    **measure.bytes,
-    "activations": measure.activations,
-    "logged_train_loss": None if logged is None else float(logged),
-    "fp8_loss_rel_diff": float(trainer.callback_metrics["fp8/loss_rel_diff"])
-    if "fp8/loss_rel_diff" in trainer.callback_metrics
-    else None,
-    "logged_losses": [float(x) for x in logged_losses.losses],
-    "val_loss": float(trainer.callback_metrics["val_loss"]) if "val_loss" in trainer.callback_metrics else None,
-}
-if args.pp > 1:
-    record["peak_in_flight"] = strategy._pp.times.peak_in_flight
-    record["bubble"] = float(trainer.callback_metrics["pp_bubble"])
-dist.all_gather_object(per_rank, record)
-if dist.get_rank() == 0:
-    out = Path(args.out)
-    torch.save({k: v.detach().clone() for k, v in state.items()}, out / "params.pt")
-    layout = {**strategy.layout.sizes(), "ep": strategy.layout.ep, "zero": int(strategy.zero_stage)}
-    layout["sp"] = strategy.config.sequence_parallel
-    (out / "result.json").write_text(
-        json.dumps({"losses": losses.tolist(), "model_state_bytes": per_rank, "layout": layout})
+        FileSystemWriter.write_data = write_then_die
+    trainer = L.Trainer(
+        accelerator="cpu",
+        strategy=strategy,
+        plugins=plugins,
+        devices=int(os.environ["WORLD_SIZE"]),
+        precision=precision,
+        max_steps=-1 if args.max_epochs else args.steps,
+        max_epochs=args.max_epochs,
+        accumulate_grad_batches=args.accumulate,
+        gradient_clip_val=args.clip,
+        logger=False,
+        enable_checkpointing=args.save or bool(args.save_every),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=args.val_batches,
+        num_sanity_val_steps=args.val_batches,
+        val_check_interval=args.steps if args.val_batches else None,
+        callbacks=callbacks,
     )
+    batch_size = {"batch_size": args.batch_size} if args.batch_size else {}
+    trainer.fit(model, datamodule=make_datamodule(args.num_samples, **batch_size), ckpt_path=args.resume)
+    strategy = trainer.strategy
+
+    losses = torch.stack(model.losses if args.pp == 1 else logged_losses.losses)
+    dist.all_reduce(losses, group=strategy.mesh.group("dp"))
+    losses /= strategy.mesh.data_size
+    state = strategy.full_model_state()  # full tensors, whatever the layout
+    per_rank = [None] * dist.get_world_size()
+    logged = trainer.callback_metrics.get("train_loss")  # what the unchanged training_step logged last
+    record = {
+        **measure.bytes,
+        "activations": measure.activations,
+        "logged_train_loss": None if logged is None else float(logged),
+        "fp8_loss_rel_diff": float(trainer.callback_metrics["fp8/loss_rel_diff"])
+        if "fp8/loss_rel_diff" in trainer.callback_metrics
+        else None,
+        "logged_losses": [float(x) for x in logged_losses.losses],
+        "val_loss": float(trainer.callback_metrics["val_loss"]) if "val_loss" in trainer.callback_metrics else None,
+    }
+    if args.pp > 1:
+        record["peak_in_flight"] = strategy._pp.times.peak_in_flight
+        record["bubble"] = float(trainer.callback_metrics["pp_bubble"])
+    dist.all_gather_object(per_rank, record)
+    if dist.get_rank() == 0:
+        out = Path(args.out)
+        torch.save({k: v.detach().clone() for k, v in state.items()}, out / "params.pt")
+        layout = {**strategy.layout.sizes(), "ep": strategy.layout.ep, "zero": int(strategy.zero_stage)}
+        layout["sp"] = strategy.config.sequence_parallel
+        (out / "result.json").write_text(
+            json.dumps({"losses": losses.tolist(), "model_state_bytes": per_rank, "layout": layout})
+        )
+
+
+def main(argv: list[str]) -> None:
+    """One run, or with ``--cases FILE`` several in a row in the same processes.
+
+    FILE is a JSON list of ``{"argv": [...], "out": dir}``: starting the ranks (importing torch and
+    Lightning on every process) costs more than a small case, so the tests batch their cases.
+    """
+    cases = argparse.ArgumentParser(add_help=False)
+    cases.add_argument("--cases")
+    known, rest = cases.parse_known_args(argv)
+    if known.cases is None:
+        run(parser.parse_args(rest))
+        return
+    for case in json.loads(Path(known.cases).read_text()):
+        Path(case["out"]).mkdir(parents=True, exist_ok=True)
+        run(parser.parse_args([*case["argv"], "--out", case["out"]]))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
