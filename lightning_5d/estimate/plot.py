@@ -32,6 +32,7 @@ MEMORY_COLORS = dict(zip(MEMORY_PARTS, ("#4C72B0", "#8FB8DE", "#8172B2", "#55A86
 TIME_COLORS = dict(zip(TIME_PARTS, ("#9E9E9E", "#DD8452", "#937860"), strict=True))
 OVER = "#D62728"  # over the GPU's capacity, and nothing else
 TIGHT = "#E69F00"  # over the usable memory, under the capacity
+_LABEL_BOX = dict(facecolor="white", edgecolor="none", pad=0.5)  # labels stay legible over the limit lines
 _LEGEND = dict(fontsize=7, loc="lower left", bbox_to_anchor=(0.0, 1.0), frameon=False, borderaxespad=0.2)
 
 
@@ -66,7 +67,7 @@ def _memory_bars(ax, rows: Sequence[MemoryRow], limits: Limits) -> None:
         if row.verdict != MemoryVerdict.FITS:
             ax.barh([i], [end], color="none", edgecolor=color, linewidth=2, height=0.7)
         ax.text(end + right * 0.01, i, row.warning or f"{end:.1f}", va="center", fontsize=7, color=color,
-                fontweight="bold" if row.warning else "normal")  # fmt: skip
+                fontweight="bold" if row.warning else "normal", bbox=_LABEL_BOX)  # fmt: skip
     ax.set_xlim(0, right)
     ax.set_yticks(list(index), [r.label for r in rows], fontsize=7)
     ax.set_ylim(len(rows) - 0.5, -0.5)  # first row on top
@@ -82,7 +83,8 @@ def _time_bars(ax, rows: Sequence[TimeRow]) -> None:
     ends = _stacked(ax, index, parts, TIME_COLORS)
     right = max(max(ends), 1e-9) * 1.45
     for i, (row, end) in enumerate(zip(rows, ends, strict=True)):
-        ax.text(end + right * 0.01, i, f"step {row.total_s:.4g} s, MFU {100 * row.mfu:.1f}%", va="center", fontsize=7)
+        label = f"step {row.total_s:#.4g} s, MFU {100 * row.mfu:.1f}%"
+        ax.text(end + right * 0.01, i, label, va="center", fontsize=7, bbox=_LABEL_BOX)
     ax.set_xlim(0, right)
     ax.set_yticks(list(index), [r.label for r in rows], fontsize=7)
     ax.set_ylim(len(rows) - 0.5, -0.5)
@@ -93,8 +95,8 @@ def _time_bars(ax, rows: Sequence[TimeRow]) -> None:
 def _title(fig, title: str, subtitle: str, warning: str) -> None:
     lines = [title] + [s for s in (subtitle,) if s]
     fig.suptitle("\n".join(lines), fontsize=10)
-    if warning:
-        fig.text(0.5, 0.005, warning, ha="center", va="bottom", color=OVER, fontsize=9, fontweight="bold")
+    if warning:  # supxlabel: the constrained layout makes room for it under the axes
+        fig.supxlabel(warning, color=OVER, fontsize=9, fontweight="bold")
 
 
 def plot_memory(

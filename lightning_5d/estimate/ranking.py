@@ -84,7 +84,7 @@ def _bubble_pct(c: Candidate) -> float:
 def _step_show(c: Candidate) -> str:
     own = c.estimate.flops.tokens_per_step
     scaled = f" (for {c.batch_tokens:,} tokens)" if c.batch_tokens and c.batch_tokens != own else ""
-    return f"{c.step_time:.4g} s{scaled}"
+    return f"{c.step_time:#.4g} s{scaled}"
 
 
 CRITERIA: tuple[Criterion, ...] = (

@@ -129,3 +129,12 @@ def test_top_ten_of_the_documented_case_has_no_exact_ties(plan_8b):
     for entry in plan_8b[:10]:
         assert entry.ahead_because and not entry.ahead_because.startswith(("layout", "identical"))
     assert plan_8b[-1].ahead_because == ""
+
+
+@pytest.mark.slow
+def test_top_ten_of_the_documented_mixtral_case_has_no_exact_ties():
+    # docs/planner.md: `l5d plan --model mixtral-8x7b --gpus 32 --global-batch 512`
+    entries = plan("mixtral-8x7b", Cluster(gpus=32), seq_len=4096, global_batch=512, top=10)
+    assert len(entries) == 10
+    for entry in entries:
+        assert entry.ahead_because and not entry.ahead_because.startswith(("layout", "identical"))

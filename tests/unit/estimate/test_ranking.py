@@ -90,7 +90,7 @@ def test_reason_line_names_the_deciding_criterion_with_both_values(small):
     free = [(USABLE - est.memory.total) / GIB for est in (z3, z1)]
     line = why_ahead(first, second)
     assert line.startswith(f"memory headroom: {free[0]:.1f} GiB free vs {free[1]:.1f} GiB free")
-    assert "equal step time (1 s), exposed communication" in line
+    assert "equal step time (1.000 s), exposed communication" in line
 
 
 def test_plan_table_prints_why_first_beats_second(small):
