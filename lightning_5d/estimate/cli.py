@@ -286,7 +286,8 @@ def run_plan(args: argparse.Namespace) -> int:
         from .plot import plot_plan
 
         try:
-            plot_plan(entries, args.plot, gpu_memory_gib=cluster.gpu_memory_gib, memory_headroom=cluster.memory_headroom)
+            headroom = cluster.memory_headroom
+            plot_plan(entries, args.plot, gpu_memory_gib=cluster.gpu_memory_gib, memory_headroom=headroom)
         except ImportError as err:
             return _fail("plan", err)
     return 0

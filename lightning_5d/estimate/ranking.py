@@ -14,8 +14,8 @@ Criteria, compared in this order (the first that differs decides):
    model-parallel ranks;
 7. the layout's text, so the order is total and reproducible.
 
-Values are compared at the precision the reason line prints them (4 significant digits of time,
-0.1 ms, 0.1 GiB, 0.1 %), so a row never wins on a rounding error nobody can see.
+Values are compared at a stated precision (step time and memory used: 4 and 3 significant digits;
+communication: 1 us; bubble: 0.1 %), so a row never wins on a rounding error nobody can see.
 """
 
 from __future__ import annotations
@@ -87,19 +87,30 @@ def _step_show(c: Candidate) -> str:
     return f"{c.step_time:#.4g} s{scaled}"
 
 
+def _ms(seconds: float) -> str:
+    return f"{1e3 * seconds:.3f} ms" if seconds < 0.01 else f"{1e3 * seconds:.1f} ms"
+
+
+def _headroom_show(c: Candidate) -> str:
+    used = c.estimate.memory.total
+    used_text = f"{used / GIB:.1f} GiB" if used >= 0.1 * GIB else f"{used / 2**20:.3g} MiB"
+    return f"{c.headroom_gib:.1f} GiB free ({used_text} used)"
+
+
 CRITERIA: tuple[Criterion, ...] = (
     Criterion("step time", lambda c: _sig(c.step_time), _step_show),
     Criterion(
         "exposed communication",
-        lambda c: round(sum(c.time.exposed.values()), 4),
-        lambda c: f"{1e3 * sum(c.time.exposed.values()):.1f} ms",
+        lambda c: round(sum(c.time.exposed.values()), 6),
+        lambda c: _ms(sum(c.time.exposed.values())),
     ),
-    Criterion("memory headroom", lambda c: -round(c.headroom_gib, 1), lambda c: f"{c.headroom_gib:.1f} GiB free"),
+    # More headroom is less memory used (the usable memory is the cluster's, the same for every row).
+    Criterion("memory headroom", lambda c: _sig(c.estimate.memory.total, 3), _headroom_show),
     Criterion("bubble", lambda c: round(_bubble_pct(c), 1), lambda c: f"{_bubble_pct(c):.1f}% of the step"),
     Criterion(
         "communication time (hidden included)",
-        lambda c: round(sum(c.time.comm.values()), 4),
-        lambda c: f"{1e3 * sum(c.time.comm.values()):.1f} ms",
+        lambda c: round(sum(c.time.comm.values()), 6),
+        lambda c: _ms(sum(c.time.comm.values())),
     ),
     Criterion("model-parallel dimensions", _model_dims, lambda c: str(_model_dims(c))),
     Criterion("ZeRO stage", lambda c: int(c.estimate.setup.zero), lambda c: str(int(c.estimate.setup.zero))),
@@ -109,8 +120,9 @@ CRITERIA: tuple[Criterion, ...] = (
         lambda c: c.estimate.setup.recompute.value,
     ),
     Criterion("model-parallel ranks", _model_ranks, lambda c: str(_model_ranks(c))),
-    Criterion("layout (a tie in every prediction)", lambda c: c.estimate.setup.describe(), lambda c: "listed first"),
+    Criterion("layout", lambda c: c.estimate.setup.describe(), lambda c: c.estimate.setup.describe()),
 )
+LAST_RESORT = CRITERIA[-1]  # an order, not a reason: the two rows predict the same in every respect
 
 
 def rank_key(c: Candidate) -> tuple:
@@ -130,6 +142,8 @@ def why_ahead(a: Candidate, b: Candidate) -> str:
     decider = deciding_criterion(a, b)
     if decider is None:
         return "identical in every criterion"
+    if decider is LAST_RESORT:
+        return "no prediction differs; ordered by layout text"
     tied = CRITERIA[: CRITERIA.index(decider)]
     line = f"{decider.name}: {decider.show(a)} vs {decider.show(b)}"
     if tied:

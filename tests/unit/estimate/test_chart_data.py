@@ -17,7 +17,7 @@ LIMITS = Limits.of(72, 0.1)  # usable 64.8 GiB
 
 @pytest.fixture(scope="module")
 def three():
-    """8B on 8 GPUs, seq 4096: ZeRO-3 (40.7 GiB, fits), ZeRO-1 mbs 1 (69.5: over the usable 64.8) and mbs 2 (94: over 72)."""
+    """8B on 8 GPUs, seq 4096: ZeRO-3 (40.7 GiB, fits), ZeRO-1 mbs 1 (69.5 > usable 64.8), mbs 2 (94 > 72)."""
     ests = [
         estimate("llama3-8b", dp_shard=8, zero=3, seq_len=4096, micro_batch_size=1),
         estimate("llama3-8b", dp_shard=8, zero=1, seq_len=4096, micro_batch_size=1),

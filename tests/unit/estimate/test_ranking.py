@@ -88,8 +88,10 @@ def test_reason_line_names_the_deciding_criterion_with_both_values(small):
     first = Candidate(z3, _time(z3, 1.0), USABLE)
     second = Candidate(z1, _time(z1, 1.0), USABLE)
     free = [(USABLE - est.memory.total) / GIB for est in (z3, z1)]
+    used = [est.memory.total / 2**20 for est in (z3, z1)]
     line = why_ahead(first, second)
-    assert line.startswith(f"memory headroom: {free[0]:.1f} GiB free vs {free[1]:.1f} GiB free")
+    first_text, second_text = (f"{f:.1f} GiB free ({u:.3g} MiB used)" for f, u in zip(free, used, strict=True))
+    assert line.startswith(f"memory headroom: {first_text} vs {second_text}")
     assert "equal step time (1.000 s), exposed communication" in line
 
 
@@ -102,3 +104,15 @@ def test_plan_table_prints_why_first_beats_second(small):
     ]
     last = format_plan(entries).splitlines()[-1]
     assert last == f"#1 beats #2 on {why_ahead(a, b)}"
+
+
+def test_rows_alike_in_every_prediction_say_so(small):
+    z1, _ = small
+    a, b = Candidate(z1, _time(z1, 1.0), USABLE), Candidate(z1, _time(z1, 1.0), USABLE)
+    assert why_ahead(a, b) == "identical in every criterion"
+    # Another split of the same batch (mbs 2, no accumulation), given the same numbers: only its text differs.
+    other = estimate("l5d-tiny", dp_shard=4, zero=1, seq_len=256, micro_batch_size=2, grad_accum=1)
+    c = Candidate(replace(other, memory=z1.memory, flops=z1.flops), _time(z1, 1.0), USABLE)
+    assert deciding_criterion(a, c).name == "layout"
+    first, second = sorted([a, c], key=rank_key)
+    assert why_ahead(first, second) == "no prediction differs; ordered by layout text"
