@@ -85,7 +85,12 @@ def register(subparsers: Any) -> None:
         "code 1 if it does not fit or the runtime would refuse it (lightning_5d/estimate/recipe_check.py)",
     )
     recipe.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="Hydra overrides for --recipe")
-    recipe.add_argument("--gpu-mem", type=float, default=None, help="GiB per GPU (default: the recipe's, else 80)")
+    recipe.add_argument(
+        "--gpu-mem",
+        type=float,
+        default=None,
+        help="GiB per GPU: the recipe's is overridden; --plot marks layouts over it (default: the recipe's, else 80)",
+    )
     sizes = est.add_argument_group("layout")
     sizes.add_argument(
         "--dp",
@@ -193,7 +198,8 @@ def run_recipe(args: argparse.Namespace) -> int:
         from .plot import plot_memory
 
         try:
-            plot_memory(check.estimate, args.plot)
+            c = check.cluster
+            plot_memory(check.estimate, args.plot, gpu_memory_gib=c.gpu_memory_gib, memory_headroom=c.memory_headroom)
         except ImportError as err:
             return _fail("estimate", err)
     return 0 if check.fits and not check.problems else 1
@@ -236,7 +242,9 @@ def run_estimate(args: argparse.Namespace) -> int:
         from .plot import plot_memory
 
         try:
-            plot_memory(est, args.plot)
+            # Judged against a GPU even without --gpu-mem, so an over-capacity layout is never drawn unmarked.
+            gpu = Cluster(gpu_memory_gib=args.gpu_mem) if args.gpu_mem else Cluster()
+            plot_memory(est, args.plot, gpu_memory_gib=gpu.gpu_memory_gib, memory_headroom=gpu.memory_headroom)
         except ImportError as err:
             return _fail("estimate", err)
     return 0
@@ -278,7 +286,8 @@ def run_plan(args: argparse.Namespace) -> int:
         from .plot import plot_plan
 
         try:
-            plot_plan(entries, args.plot, gpu_memory_gib=args.gpu_mem)
+            headroom = cluster.memory_headroom
+            plot_plan(entries, args.plot, gpu_memory_gib=cluster.gpu_memory_gib, memory_headroom=headroom)
         except ImportError as err:
             return _fail("plan", err)
     return 0

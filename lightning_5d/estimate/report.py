@@ -72,6 +72,9 @@ def format_plan(entries: Sequence[PlanEntry]) -> str:
             f"{e.estimate.memory.total / 2**30:>9.1f}{100 * e.estimate.bubble_fraction:>7.1f}%"
         )
         lines.append(f"     why: {e.why}")
+    if len(entries) > 1 and entries[0].ahead_because:
+        lines.append("-" * len(header))
+        lines.append(f"#1 beats #2 on {entries[0].ahead_because}")
     return "\n".join(lines)
 
 

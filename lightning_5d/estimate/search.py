@@ -4,8 +4,9 @@
    seq % 2cp), tp kept inside a node, every global-batch split into dp x micro-batch x microbatches.
 2. For each, take the cheapest activation recomputation that fits in memory (none, then
    selective, then full) - recomputation only ever costs time.
-3. Rank what fits by predicted time per token (= step time for a fixed global batch); on ties,
-   simpler layouts first (fewer model-parallel dims, lower ZeRO stage), then less memory; say why.
+3. Rank what fits by predicted time per token (= step time for a fixed global batch), then
+   exposed communication, memory headroom, bubble, ... (``ranking.py``); say why each row is
+   there, and why it beats the next one.
 """
 
 from __future__ import annotations
@@ -19,15 +20,13 @@ from lightning_5d.config import ActivationCheckpointing, LayoutError, PipelineSc
 
 from .comm import Link, group_link
 from .estimator import Estimate, estimate
+from .ranking import RECOMPUTE_ORDER, Candidate, rank_key, why_ahead
 from .spec import ModelSpec, load_spec
 from .timing import GIB, Cluster, StepTime, predict_step_time
 from .training import Precision, TrainingSetup, valid_cp, valid_pp, valid_tp
 
 ALL_DIMS = frozenset({"dp_replicate", "dp_shard", "tp", "cp", "pp", "ep"})
 LAYOUT_KEYS = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
-# Cheapest in time first: plan() keeps the first mode that fits.
-_AC = ActivationCheckpointing
-RECOMPUTE_ORDER = (_AC.NONE, _AC.SELECTIVE, _AC.FULL)
 
 
 class NoLayoutFitsError(LayoutError):
@@ -41,6 +40,7 @@ class PlanEntry:
     time: StepTime
     fits: bool
     why: str
+    ahead_because: str = ""  # why this row ranks above the next one ("" for the last row)
 
     @property
     def setup(self) -> TrainingSetup:
@@ -61,6 +61,7 @@ class PlanEntry:
             "predicted_mfu": self.time.predicted_mfu,
             "fits": self.fits,
             "why": self.why,
+            "ahead_because": self.ahead_because,
         }
 
 
@@ -191,12 +192,6 @@ def _batch_split(
     return micro, 1
 
 
-def _complexity(setup: TrainingSetup) -> tuple:
-    """Tie-break: fewer model-parallel dims, lower ZeRO stage, less recompute, then fewer model-parallel ranks."""
-    dims = sum(getattr(setup, d) > 1 for d in ("tp", "cp", "pp", "ep"))
-    return (dims, int(setup.zero), RECOMPUTE_ORDER.index(setup.recompute), setup.tp * setup.cp * setup.pp)
-
-
 def _explain(est: Estimate, time: StepTime, cluster: Cluster, fits: bool) -> str:
     s, mem = est.setup, est.memory
     gpn = cluster.gpus_per_node
@@ -224,7 +219,7 @@ def _explain(est: Estimate, time: StepTime, cluster: Cluster, fits: bool) -> str
         parts.append(f"{s.recompute.value} recompute needed to fit")
     usable = cluster.usable_memory_bytes / GIB
     parts.append(f"{'fits' if fits else 'does NOT fit'}: {mem.total / GIB:.1f} of {usable:.1f} GiB usable")
-    exposed = {d: t for d, t in time.exposed.items() if t > 0.005 * time.total}
+    exposed = {d: t for d, t in time.exposed.items() if t >= 5e-4}
     if exposed:
         parts.append("exposed comm " + ", ".join(f"{d} {t * 1e3:.0f} ms" for d, t in exposed.items()))
     elif time.link_busy >= time.total:
@@ -299,20 +294,27 @@ def plan(
             f"more dimensions (available: {sorted(_normalize_dims(available_dims))})."
         )
 
-    def rank_key(pair: tuple[Estimate, StepTime]) -> tuple:
-        est, time = pair
-        return (time.total / est.flops.tokens_per_step, _complexity(est.setup), est.memory.total)
-
-    ranked = sorted(fitting, key=rank_key)
-    rows = [(est, time, True) for est, time in ranked]
+    usable = cluster.usable_memory_bytes
+    batch = max((est.flops.tokens_per_step for est, _ in fitting), default=None)
+    ranked = sorted((Candidate(est, time, usable, batch) for est, time in fitting), key=rank_key)
+    rows = [(c, True) for c in ranked]
     if include_unfit:
-        rows += [(est, time, False) for est, time in sorted(unfit, key=lambda pair: pair[0].memory.total)]
-    if top is not None:
-        rows = rows[:top]
-    return [
-        PlanEntry(rank=i + 1, estimate=est, time=time, fits=fits, why=_explain(est, time, cluster, fits))
-        for i, (est, time, fits) in enumerate(rows)
-    ]
+        by_memory = sorted(unfit, key=lambda pair: pair[0].memory.total)
+        rows += [(Candidate(est, time, usable), False) for est, time in by_memory]
+    entries = []
+    for i, (c, fits) in enumerate(rows[:top]):  # the last row shown still says why it beats the next
+        nxt = rows[i + 1] if i + 1 < len(rows) else None
+        if nxt is None:
+            ahead = ""
+        elif fits and not nxt[1]:
+            ahead = f"fits; the next needs {nxt[0].estimate.memory.total / GIB:.1f} GiB"
+        elif fits:
+            ahead = why_ahead(c, nxt[0])
+        else:
+            ahead = f"less memory: {c.estimate.memory.total / GIB:.1f} vs {nxt[0].estimate.memory.total / GIB:.1f} GiB"
+        why = _explain(c.estimate, c.time, cluster, fits)
+        entries.append(PlanEntry(i + 1, c.estimate, c.time, fits, why, ahead))
+    return entries
 
 
 def choose_layout(

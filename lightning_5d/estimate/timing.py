@@ -2,10 +2,10 @@
 
 Which communication can hide behind compute, and behind which part of it:
 
-* DP/ZeRO: Z0 reduces once, during the last microbatch's backward (2/3 of its compute);
-  Z1 also all-gathers params after the step, overlappable with the next step's first forward
-  (so the window is one microbatch's compute); Z2/Z3 spread their traffic over every
-  microbatch, so the whole compute can hide it.
+* DP/ZeRO: as the runtime overlaps it (``overlap.py``): gradient buckets stream behind a
+  backward, but the last bucket always trails it; ZeRO-1/2's post-step all-gather and the HSDP
+  all-reduce across replicas are waited for with nothing to run beside them; ZeRO-3 streams
+  layer by layer behind each microbatch.
 * CP: ring hops overlap the attention-core compute of the block they feed.
 * TP/SP, PP, EP: on the critical path (the next op needs the result) - fully exposed.
 
@@ -23,6 +23,7 @@ from lightning_5d.config import ZeroStage
 
 from .comm import DIMENSIONS, Link
 from .estimator import Estimate
+from .overlap import data_parallel_exposed
 
 GIB = 2**30
 
@@ -89,21 +90,23 @@ def predict_step_time(est: Estimate, cluster: Cluster) -> StepTime:
     compute = est.flops.hardware_per_step / gpus / (cluster.peak_flops * cluster.compute_efficiency)
     comm = {d: 0.0 for d in DIMENSIONS}
     busy = {link: 0.0 for link in Link}
+    seconds = []
     for entry in est.comm:
         link = entry.link
-        seconds = entry.bytes_per_rank / cluster.bandwidth(link) + entry.launches * cluster.latency(link)
-        comm[entry.dim] += seconds
-        busy[entry.link] += seconds
-    M = setup.microbatches_per_step
-    if setup.zero == ZeroStage.NONE:
-        dp_window = compute / M * 2 / 3
-    elif setup.zero == ZeroStage.OPTIMIZER:
-        dp_window = compute / M
-    else:
-        dp_window = compute
+        t = entry.bytes_per_rank / cluster.bandwidth(link) + entry.launches * cluster.latency(link)
+        seconds.append(t)
+        comm[entry.dim] += t
+        busy[entry.link] += t
+    forward = est.flops.model_per_token / 3  # the recomputed forward runs inside backward
+    backward_share = 1 - forward / est.flops.hardware_per_token
     attention_share = est.flops.attention_per_token / est.flops.hardware_per_token
-    windows = {"dp": dp_window, "cp": compute * attention_share, "tp": 0.0, "pp": 0.0, "ep": 0.0}
-    exposed = {d: max(0.0, comm[d] - windows[d]) for d in DIMENSIONS}
+    exposed = {d: 0.0 for d in DIMENSIONS}
+    exposed["dp"] = data_parallel_exposed(
+        est.comm, seconds, setup.zero, setup.microbatches_per_step, compute, backward_share
+    )
+    exposed["cp"] = max(0.0, comm["cp"] - compute * attention_share)
+    for d in ("tp", "pp", "ep"):
+        exposed[d] = comm[d]
     return StepTime(
         compute=compute,
         bubble=compute * est.bubble_relative,

@@ -30,6 +30,7 @@ ESTIMATE_KEYS = {
 }
 PLAN_EXTRA_KEYS = {
     "rank",
+    "ahead_because",
     "layout",
     "step_time_s",
     "time_breakdown_s",
