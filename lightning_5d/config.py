@@ -8,14 +8,14 @@ error names the offending value and a value that would work.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 from typing import Annotated, Any, Literal, Mapping, Union
 
 from datetime import timedelta
-from pathlib import Path
 
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator, BeforeValidator, Field
 from torch.distributed.constants import default_pg_timeout
 
 from lightning_5d.checkpoint.strategy_io import CheckpointFormat, CheckpointWrite
@@ -23,7 +23,7 @@ from lightning_5d.checkpoint.strategy_io import CheckpointFormat, CheckpointWrit
 from lightning_5d.schema import Allowed, Bool, EnumField, Float, Int, Optional_, enum_member, settings
 
 AUTO = "auto"
-SizeSpec = Union[int, str]
+SizeSpec = Union[int, str]  # a data size: an integer or "auto"
 
 # Outermost first. pp outermost keeps stage-to-stage traffic off the fastest links; tp
 # innermost keeps its per-layer collectives on them (the playbook's placement rule).
@@ -94,10 +94,12 @@ def _rank_order_is_a_permutation(order: tuple[str, ...]) -> tuple[str, ...]:
 # Every field's type, range and allowed values, in one place (checked by pydantic through
 # lightning_5d.schema); cross-field rules that need the world size live in resolve_layout.
 PositiveInt = Int(ge=1, allowed="an integer >= 1")
-Size = Annotated[
+# Only the data dims can absorb the rest of the world ("auto"); model dims change the math.
+DataSize = Annotated[
     Union[PositiveInt, Literal["auto"]],  # the integer error first: it is the likelier mistake
-    Allowed("an integer >= 1 (1 leaves the dimension off), or 'auto' for dp_replicate/dp_shard"),
+    Allowed("an integer >= 1 (1 leaves the dimension off), or 'auto' for the rest of the world"),
 ]
+ModelSize = Int(ge=1, allowed="an integer >= 1 (1 leaves the dimension off)")
 RankOrder = Annotated[
     tuple[Literal["pp", "dp_replicate", "dp_shard", "cp", "tp"], ...],
     AfterValidator(_rank_order_is_a_permutation),
@@ -162,12 +164,12 @@ class ExpertConfig:
 class ParallelConfig:
     """Everything that decides how a model is split. Sizes may be ``"auto"``."""
 
-    dp_replicate: Size = 1
-    dp_shard: Size = AUTO
-    cp: Size = 1
-    tp: Size = 1
-    pp: Size = 1
-    ep: Size = 1
+    dp_replicate: DataSize = 1
+    dp_shard: DataSize = AUTO
+    cp: ModelSize = 1
+    tp: ModelSize = 1
+    pp: ModelSize = 1
+    ep: ModelSize = 1
     zero: EnumField(ZeroStage) = ZeroStage.OPTIMIZER
     activation_checkpointing: EnumField(ActivationCheckpointing) = ActivationCheckpointing.NONE
     # Shard norms, dropout and residuals along the sequence between the TP regions.
@@ -192,6 +194,10 @@ class ParallelConfig:
         return resolve_layout(self, world_size)
 
 
+def _path_text(value: Any) -> Any:
+    return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+
 @settings(LayoutError, "FiveDStrategy")
 class StrategyOptions:
     """``FiveDStrategy``'s arguments other than the layout (checkpoints, weights, process group)."""
@@ -200,7 +206,7 @@ class StrategyOptions:
     checkpoint_write: EnumField(CheckpointWrite) = CheckpointWrite.SYNC
     keep_last_k: Optional_(PositiveInt, "an integer >= 1, or None to keep every checkpoint") = None
     pretrained: Optional_(
-        Annotated[Union[Annotated[str, Field(min_length=1)], Path], Field(union_mode="left_to_right")],
+        Annotated[str, BeforeValidator(_path_text), Field(min_length=1)],
         "a path to a .safetensors/.pt file or a Hugging Face folder, or None",
     ) = None
     pretrained_prefix: Optional_(str, "a key prefix such as 'model.', or None") = None
@@ -258,11 +264,7 @@ def resolve_layout(config: ParallelConfig, world_size: int) -> Layout:
     if world_size < 1:
         raise LayoutError(f"world size {world_size} must be >= 1.")
     sizes = {d: getattr(config, d) for d in ("dp_replicate", "dp_shard", "cp", "tp", "pp")}
-    autos = [d for d, v in sizes.items() if v == AUTO]
-    # Only the data dims can absorb the rest of the world; model dims change the math.
-    for d in autos:
-        if d not in ("dp_replicate", "dp_shard"):
-            raise LayoutError(f"{d}='auto' is not supported; give {d} an integer (1 leaves it off).")
+    autos = [d for d, v in sizes.items() if v == AUTO]  # only the data dims may be "auto" (DataSize)
     if len(autos) == 2:
         sizes["dp_replicate"] = 1
         autos = ["dp_shard"]
@@ -286,8 +288,6 @@ def resolve_layout(config: ParallelConfig, world_size: int) -> Layout:
             f"{world_size}; set dp_shard='auto' to absorb the rest, or make the product {world_size}."
         )
     ep = config.ep
-    if ep == AUTO:
-        raise LayoutError("ep='auto' is not supported; give ep an integer (1 leaves it off).")
     borrow = sizes["dp_shard"] * sizes["cp"]
     if borrow % ep:
         raise LayoutError(
@@ -304,7 +304,7 @@ def _product_text(sizes: Mapping[str, Any]) -> str:
 def validate_early(config: ParallelConfig) -> None:
     """Checks that need no world size; run in the strategy's constructor."""
     pipe = config.pipeline
-    if config.pp != AUTO and config.pp > 1:
+    if config.pp > 1:
         from lightning_5d.parallel.pipeline_schedule import check_schedule, default_microbatches
 
         v = pipe.virtual_stages
