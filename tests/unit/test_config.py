@@ -109,3 +109,12 @@ def test_expert_section_bad_values_are_rejected():
             ParallelConfig(expert={"capacity_factor": bad})
     with pytest.raises(LayoutError, match=r"Unknown key\(s\) \['capacity'\] in `expert`"):
         ParallelConfig(expert={"capacity": 1.0})
+
+
+def test_l5d_train_checks_the_parallel_section_with_the_same_schema():
+    from lightning_5d.train import compose, validate
+
+    with pytest.raises(LayoutError, match=r"pipeline\.microbatches='abc' is not valid.*allowed: an integer >= 1"):
+        validate(compose(["recipe=tiny_tp", "parallel.pipeline.microbatches=abc"]))
+    with pytest.raises(LayoutError, match=r"expert\.aux_loss_coef=-1 is not valid"):
+        validate(compose(["recipe=tiny_tp", "parallel.expert.aux_loss_coef=-1"]))
