@@ -8,12 +8,22 @@ error names the offending value and a value that would work.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
-from typing import Any, Mapping, Sequence, Union
+from typing import Annotated, Any, Literal, Mapping, Union
+
+from datetime import timedelta
+
+from pydantic import AfterValidator, BeforeValidator, Field
+from torch.distributed.constants import default_pg_timeout
+
+from lightning_5d.checkpoint.strategy_io import CheckpointFormat, CheckpointWrite
+
+from lightning_5d.schema import Allowed, Bool, EnumField, Float, Int, Optional_, enum_member, settings
 
 AUTO = "auto"
-SizeSpec = Union[int, str]
+SizeSpec = Union[int, str]  # a data size: an integer or "auto"
 
 # Outermost first. pp outermost keeps stage-to-stage traffic off the fastest links; tp
 # innermost keeps its per-layer collectives on them (the playbook's placement rule).
@@ -75,21 +85,47 @@ class StageBalance(str, Enum):
     COST = "cost"  # equal matmul work: the head's parameters count on the last stage too
 
 
-@dataclass
+def _rank_order_is_a_permutation(order: tuple[str, ...]) -> tuple[str, ...]:
+    if sorted(order) != sorted(MESH_DIMS):
+        raise ValueError("each mesh dimension must appear exactly once")
+    return order
+
+
+# Every field's type, range and allowed values, in one place (checked by pydantic through
+# lightning_5d.schema); cross-field rules that need the world size live in resolve_layout.
+PositiveInt = Int(ge=1, allowed="an integer >= 1")
+# Only the data dims can absorb the rest of the world ("auto"); model dims change the math.
+DataSize = Annotated[
+    Union[PositiveInt, Literal["auto"]],  # the integer error first: it is the likelier mistake
+    Allowed("an integer >= 1 (1 leaves the dimension off), or 'auto' for the rest of the world"),
+]
+ModelSize = Int(ge=1, allowed="an integer >= 1 (1 leaves the dimension off)")
+RankOrder = Annotated[
+    tuple[Literal["pp", "dp_replicate", "dp_shard", "cp", "tp"], ...],
+    AfterValidator(_rank_order_is_a_permutation),
+    Allowed(f"each of {list(DEFAULT_RANK_ORDER)} exactly once, outermost first"),
+]
+
+
+@settings(LayoutError, "pipeline")
 class PipelineConfig:
-    schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
-    microbatches: int | None = None  # None: 2 * pp, enough to keep the 1F1B bubble < 1/3
-    virtual_stages: int = 1
-    balance: StageBalance = StageBalance.COST
+    schedule: EnumField(PipelineSchedule) = PipelineSchedule.ONE_F_ONE_B
+    # None: 2 * pp, enough to keep the 1F1B bubble < 1/3
+    microbatches: Optional_(PositiveInt, "an integer >= 1, or None for 2 * pp") = None
+    virtual_stages: Int(ge=1, allowed="an integer >= 1 (model chunks per rank)") = 1
+    balance: EnumField(StageBalance) = StageBalance.COST
     # Blocks per stage, in stage order (pp * virtual_stages entries); overrides `balance`.
-    stage_blocks: list[int] | None = None
-    log_bubble: bool = False  # log the measured idle fraction of each step as `pp_bubble`
+    stage_blocks: Optional_(
+        Annotated[list[PositiveInt], Field(min_length=1)],
+        "a list of integers >= 1 (blocks per stage, pp * virtual_stages entries), or None",
+    ) = None
+    log_bubble: Bool() = False  # log the measured idle fraction of each step as `pp_bubble`
 
 
-@dataclass
+@settings(LayoutError, "context")
 class ContextConfig:
-    mode: ContextParallelMode = ContextParallelMode.RING
-    sharding: SequenceSharding = SequenceSharding.ZIGZAG
+    mode: EnumField(ContextParallelMode) = ContextParallelMode.RING
+    sharding: EnumField(SequenceSharding) = SequenceSharding.ZIGZAG
 
 
 class LoadBalancing(str, Enum):
@@ -107,14 +143,16 @@ class DropPolicy(str, Enum):
     POSITION = "position"  # the earliest tokens in the batch (Switch)
 
 
-@dataclass
+@settings(LayoutError, "expert")
 class ExpertConfig:
-    capacity_factor: float | None = None  # None: dropless
-    drop_policy: DropPolicy = DropPolicy.PROBABILITY
-    load_balancing: LoadBalancing = LoadBalancing.NONE
-    aux_loss_coef: float = 0.01  # Switch Transformer's value
-    bias_update_rate: float = 0.001  # DeepSeek-V3's gamma
-    log_load: bool = True  # log tokens per expert, load imbalance and dropped tokens (moe/...)
+    capacity_factor: Optional_(
+        Float(gt=0, allowed="a finite number > 0"), "a finite number > 0 (e.g. 1.25), or None for dropless"
+    ) = None
+    drop_policy: EnumField(DropPolicy) = DropPolicy.PROBABILITY
+    load_balancing: EnumField(LoadBalancing) = LoadBalancing.NONE
+    aux_loss_coef: Float(ge=0, allowed="a finite number >= 0") = 0.01  # Switch Transformer's value
+    bias_update_rate: Float(ge=0, allowed="a finite number >= 0") = 0.001  # DeepSeek-V3's gamma
+    log_load: Bool() = True  # log tokens per expert, load imbalance and dropped tokens (moe/...)
 
     @property
     def wants_dispatch(self) -> bool:
@@ -122,70 +160,62 @@ class ExpertConfig:
         return self.capacity_factor is not None or self.load_balancing != LoadBalancing.NONE
 
 
-@dataclass
+@settings(LayoutError, "parallel")
 class ParallelConfig:
     """Everything that decides how a model is split. Sizes may be ``"auto"``."""
 
-    dp_replicate: SizeSpec = 1
-    dp_shard: SizeSpec = AUTO
-    cp: SizeSpec = 1
-    tp: SizeSpec = 1
-    pp: SizeSpec = 1
-    ep: SizeSpec = 1
-    zero: ZeroStage = ZeroStage.OPTIMIZER
-    activation_checkpointing: ActivationCheckpointing = ActivationCheckpointing.NONE
+    dp_replicate: DataSize = 1
+    dp_shard: DataSize = AUTO
+    cp: ModelSize = 1
+    tp: ModelSize = 1
+    pp: ModelSize = 1
+    ep: ModelSize = 1
+    zero: EnumField(ZeroStage) = ZeroStage.OPTIMIZER
+    activation_checkpointing: EnumField(ActivationCheckpointing) = ActivationCheckpointing.NONE
     # Shard norms, dropout and residuals along the sequence between the TP regions.
-    sequence_parallel: bool = False
+    sequence_parallel: Bool() = False
     # Module-path patterns -> roles, for models discovery cannot map (see docs/model_plans.md).
-    model_plan: dict[str, str] | None = None
-    rank_order: tuple[str, ...] = DEFAULT_RANK_ORDER
+    model_plan: Optional_(dict[str, str], "a mapping of module-path patterns to role names, or None") = None
+    rank_order: RankOrder = DEFAULT_RANK_ORDER
     # 25 MB matches DDP's default: large enough to amortize launch cost, small enough to overlap.
-    bucket_size_mb: float = 25.0
+    bucket_size_mb: Float(gt=0, allowed="a finite number > 0 (default 25)") = 25.0
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     context: ContextConfig = field(default_factory=ContextConfig)
     expert: ExpertConfig = field(default_factory=ExpertConfig)
 
-    def __post_init__(self) -> None:
-        self.zero = _coerce_enum(ZeroStage, self.zero, "zero")
-        self.activation_checkpointing = _coerce_enum(
-            ActivationCheckpointing, self.activation_checkpointing, "activation_checkpointing"
-        )
-        for name in ("pipeline", "context", "expert"):
-            value = getattr(self, name)
-            if isinstance(value, Mapping):
-                setattr(self, name, _section_from_mapping(_SECTIONS[name], value, name))
-        self.pipeline.schedule = _coerce_enum(PipelineSchedule, self.pipeline.schedule, "pipeline.schedule")
-        self.pipeline.balance = _coerce_enum(StageBalance, self.pipeline.balance, "pipeline.balance")
-        if self.pipeline.stage_blocks is not None:
-            self.pipeline.stage_blocks = [int(n) for n in self.pipeline.stage_blocks]
-        self.context.mode = _coerce_enum(ContextParallelMode, self.context.mode, "context.mode")
-        self.context.sharding = _coerce_enum(SequenceSharding, self.context.sharding, "context.sharding")
-        self.expert.drop_policy = _coerce_enum(DropPolicy, self.expert.drop_policy, "expert.drop_policy")
-        self.expert.load_balancing = _coerce_enum(LoadBalancing, self.expert.load_balancing, "expert.load_balancing")
-        if self.expert.capacity_factor is not None and not float(self.expert.capacity_factor) > 0:
-            raise LayoutError(
-                f"expert.capacity_factor={self.expert.capacity_factor} must be > 0 (e.g. 1.25), or null for dropless."
-            )
-        self.rank_order = tuple(self.rank_order)
-        if not isinstance(self.sequence_parallel, bool):
-            raise LayoutError(f"sequence_parallel={self.sequence_parallel!r} must be true or false.")
-        if self.model_plan is not None:
-            if not isinstance(self.model_plan, Mapping):
-                raise LayoutError(f"model_plan must map module-path patterns to roles, got {self.model_plan!r}.")
-            self.model_plan = {str(k): str(v) for k, v in self.model_plan.items()}
-        _check_rank_order(self.rank_order)
-        for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep"):
-            setattr(self, name, _check_size(name, getattr(self, name)))
-        if self.bucket_size_mb <= 0:
-            raise LayoutError(f"bucket_size_mb={self.bucket_size_mb} must be > 0 (default 25).")
-
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "ParallelConfig":
-        return _section_from_mapping(cls, values, "parallel")
+        if not isinstance(values, Mapping):
+            raise LayoutError(f"parallel={values!r} is not valid; allowed: a mapping of ParallelConfig fields.")
+        return cls(**dict(values))
 
     def resolve(self, world_size: int) -> "Layout":
         """Fill in ``"auto"`` sizes and check that the product equals ``world_size``."""
         return resolve_layout(self, world_size)
+
+
+def _path_text(value: Any) -> Any:
+    return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+
+@settings(LayoutError, "FiveDStrategy")
+class StrategyOptions:
+    """``FiveDStrategy``'s arguments other than the layout (checkpoints, weights, process group)."""
+
+    checkpoint_format: EnumField(CheckpointFormat) = CheckpointFormat.SHARDED
+    checkpoint_write: EnumField(CheckpointWrite) = CheckpointWrite.SYNC
+    keep_last_k: Optional_(PositiveInt, "an integer >= 1, or None to keep every checkpoint") = None
+    pretrained: Optional_(
+        Annotated[str, BeforeValidator(_path_text), Field(min_length=1)],
+        "a path to a .safetensors/.pt file or a Hugging Face folder, or None",
+    ) = None
+    pretrained_prefix: Optional_(str, "a key prefix such as 'model.', or None") = None
+    process_group_backend: Optional_(
+        Annotated[str, Field(min_length=1)], "a torch.distributed backend such as 'gloo' or 'nccl', or None"
+    ) = None
+    timeout: Optional_(
+        Annotated[timedelta, Field(gt=timedelta(0))], "a positive datetime.timedelta, or None"
+    ) = default_pg_timeout
 
 
 @dataclass(frozen=True)
@@ -217,50 +247,13 @@ class Layout:
         return " x ".join(parts) + f" (ep={self.ep}) = {self.world_size} ranks"
 
 
-_SECTIONS = {"pipeline": PipelineConfig, "context": ContextConfig, "expert": ExpertConfig}
-
-
-def _section_from_mapping(cls: type, values: Mapping[str, Any], where: str) -> Any:
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise LayoutError(f"Unknown key(s) {unknown} in `{where}`; valid keys are {sorted(known)}.")
-    return cls(**dict(values))
-
-
 def _coerce_enum(enum_cls: type[Enum], value: Any, name: str) -> Any:
-    if isinstance(value, enum_cls):
-        return value
-    if isinstance(value, Enum):
-        value = value.value
+    """``value`` as a member of ``enum_cls`` (member, value or name), or a LayoutError naming ``name``."""
     try:
-        return enum_cls(value)
+        return enum_member(enum_cls, value)
     except ValueError:
-        if isinstance(value, str) and issubclass(enum_cls, IntEnum) and value.isdigit():
-            return enum_cls(int(value))
         choices = ", ".join(repr(m.value) for m in enum_cls)
         raise LayoutError(f"{name}={value!r} is not valid; choose one of {choices}.") from None
-
-
-def _check_size(name: str, value: Any) -> SizeSpec:
-    if value == AUTO:
-        return AUTO
-    if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, str) and value.isdigit():
-            value = int(value)
-        else:
-            raise LayoutError(f"{name}={value!r} must be a positive integer or 'auto'.")
-    if value < 1:
-        raise LayoutError(f"{name}={value} must be >= 1 (use 1 to leave the dimension off).")
-    return value
-
-
-def _check_rank_order(order: Sequence[str]) -> None:
-    if sorted(order) != sorted(MESH_DIMS):
-        raise LayoutError(
-            f"rank_order={list(order)} must list each of {sorted(MESH_DIMS)} exactly once, "
-            f"outermost first; the default is {list(DEFAULT_RANK_ORDER)}."
-        )
 
 
 def _divisors(n: int) -> list[int]:
@@ -271,11 +264,7 @@ def resolve_layout(config: ParallelConfig, world_size: int) -> Layout:
     if world_size < 1:
         raise LayoutError(f"world size {world_size} must be >= 1.")
     sizes = {d: getattr(config, d) for d in ("dp_replicate", "dp_shard", "cp", "tp", "pp")}
-    autos = [d for d, v in sizes.items() if v == AUTO]
-    # Only the data dims can absorb the rest of the world; model dims change the math.
-    for d in autos:
-        if d not in ("dp_replicate", "dp_shard"):
-            raise LayoutError(f"{d}='auto' is not supported; give {d} an integer (1 leaves it off).")
+    autos = [d for d, v in sizes.items() if v == AUTO]  # only the data dims may be "auto" (DataSize)
     if len(autos) == 2:
         sizes["dp_replicate"] = 1
         autos = ["dp_shard"]
@@ -299,8 +288,6 @@ def resolve_layout(config: ParallelConfig, world_size: int) -> Layout:
             f"{world_size}; set dp_shard='auto' to absorb the rest, or make the product {world_size}."
         )
     ep = config.ep
-    if ep == AUTO:
-        raise LayoutError("ep='auto' is not supported; give ep an integer (1 leaves it off).")
     borrow = sizes["dp_shard"] * sizes["cp"]
     if borrow % ep:
         raise LayoutError(
@@ -317,11 +304,7 @@ def _product_text(sizes: Mapping[str, Any]) -> str:
 def validate_early(config: ParallelConfig) -> None:
     """Checks that need no world size; run in the strategy's constructor."""
     pipe = config.pipeline
-    if pipe.virtual_stages < 1:
-        raise LayoutError(f"pipeline.virtual_stages={pipe.virtual_stages} must be >= 1.")
-    if pipe.microbatches is not None and pipe.microbatches < 1:
-        raise LayoutError(f"pipeline.microbatches={pipe.microbatches} must be >= 1.")
-    if config.pp != AUTO and config.pp > 1:
+    if config.pp > 1:
         from lightning_5d.parallel.pipeline_schedule import check_schedule, default_microbatches
 
         v = pipe.virtual_stages
@@ -331,3 +314,32 @@ def validate_early(config: ParallelConfig) -> None:
                 f"pipeline.stage_blocks={pipe.stage_blocks} has {len(pipe.stage_blocks)} entries; pp={config.pp} x "
                 f"virtual_stages={v} needs {config.pp * v} (blocks per stage, in stage order)."
             )
+
+
+def _changed(section: Any) -> list[str]:
+    """The fields of a settings section that differ from their defaults."""
+    default = type(section)()
+    return [f.name for f in dataclasses.fields(section) if getattr(section, f.name) != getattr(default, f.name)]
+
+
+def ineffective_settings(config: ParallelConfig) -> list[str]:
+    """Settings that the layout makes meaningless: a section of a dimension that is off, or an
+    option whose switch is off. Each entry names the setting and what would make it count."""
+    found: list[str] = []
+    for size, section in (("pp", "pipeline"), ("cp", "context")):
+        changed = _changed(getattr(config, section))
+        if getattr(config, size) == 1 and changed:
+            keys = ", ".join(f"{section}.{k}" for k in changed)
+            found.append(f"{keys} (only used with {size} > 1; {size}=1)")
+    if config.tp == 1 and config.sequence_parallel:
+        found.append("sequence_parallel=True (only used with tp > 1; tp=1)")
+    expert = config.expert
+    if expert.load_balancing != LoadBalancing.AUX_LOSS and "aux_loss_coef" in _changed(expert):
+        found.append("expert.aux_loss_coef (only used with expert.load_balancing='aux_loss')")
+    if expert.load_balancing != LoadBalancing.BIAS and "bias_update_rate" in _changed(expert):
+        found.append("expert.bias_update_rate (only used with expert.load_balancing='bias')")
+    if expert.capacity_factor is None and "drop_policy" in _changed(expert):
+        found.append("expert.drop_policy (only used with an expert.capacity_factor)")
+    if config.zero == ZeroStage.PARAMETERS and "bucket_size_mb" in _changed(config):
+        found.append("bucket_size_mb (used by ZeRO-0..2; zero=3 reduces per FSDP2 unit)")
+    return found

@@ -26,7 +26,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
@@ -37,10 +37,13 @@ from lightning_5d.auto_layout import planned_config
 from lightning_5d.config import (
     ActivationCheckpointing,
     Layout,
+    LayoutError,
     LoadBalancing,
     ParallelConfig,
     PipelineSchedule,
+    StrategyOptions,
     ZeroStage,
+    ineffective_settings,
     validate_early,
 )
 from lightning_5d.mesh import ParallelMesh
@@ -61,6 +64,10 @@ from lightning_5d.plan import describe, discover
 from lightning_5d.process_exit import leave_together_at_exit, mark_failed
 from lightning_5d.plan.blocks import find_blocks, require_blocks
 from lightning_5d.precision import FiveDPrecision, PrecisionError
+
+
+def _sizes_text(config: ParallelConfig) -> str:
+    return ", ".join(f"{d}={getattr(config, d)}" for d in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep"))
 
 
 class FiveDStrategy(ParallelStrategy):
@@ -103,25 +110,46 @@ class FiveDStrategy(ParallelStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        # Every argument's type and range is declared in lightning_5d.config (ParallelConfig,
+        # StrategyOptions); both raise LayoutError naming the field and its allowed values.
+        options = StrategyOptions(
+            checkpoint_format=checkpoint_format,
+            checkpoint_write=checkpoint_write,
+            keep_last_k=keep_last_k,
+            pretrained=pretrained,
+            pretrained_prefix=pretrained_prefix,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
         sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp, "pp": pp, "ep": ep}
         given = {k: v for k, v in {**sizes, "zero": zero}.items() if v is not None}
         # No size and no ZeRO stage given (as with the string "5d"): the planner decides at setup.
         self._plan_layout = config is None and not given
         if config is None:
-            sections = {k: v for k, v in (("pipeline", pipeline), ("context", context), ("expert", expert)) if v}
+            sections = {"pipeline": pipeline, "context": context, "expert": expert}
             config = ParallelConfig(
                 **given,
                 activation_checkpointing=activation_checkpointing,
                 sequence_parallel=sequence_parallel,
-                model_plan=dict(model_plan) if model_plan is not None else None,
+                model_plan=model_plan,
                 bucket_size_mb=bucket_size_mb,
                 **({"rank_order": rank_order} if rank_order is not None else {}),
-                **sections,
+                **{k: v for k, v in sections.items() if v is not None},
             )
+        elif not isinstance(config, ParallelConfig):
+            raise LayoutError(f"config={config!r} is not valid; allowed: a ParallelConfig, or None.")
         validate_early(config)
+        if not self._plan_layout:  # a planned layout's sizes are not known yet
+            ineffective = ineffective_settings(config)
+            if ineffective:
+                rank_zero_warn(
+                    f"FiveDStrategy: these settings have no effect under the layout {_sizes_text(config)}: "
+                    + "; ".join(ineffective),
+                    category=UserWarning,
+                )
         self.config = config
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
+        self._process_group_backend = options.process_group_backend
+        self._timeout = options.timeout
         self._layout: Layout | None = None
         self._mesh: ParallelMesh | None = None
         self._zero: ZeroSet | None = None
@@ -135,9 +163,11 @@ class FiveDStrategy(ParallelStrategy):
         self._ep: ExpertParallel | None = None
         self._in_backward_sync_block = False
         self._parallelized: torch.nn.Module | None = None
-        self._checkpoints = StrategyCheckpoints(self, checkpoint_format, checkpoint_write, keep_last_k)
+        self._checkpoints = StrategyCheckpoints(
+            self, options.checkpoint_format, options.checkpoint_write, options.keep_last_k
+        )
         # Weights to start from (a plain or Hugging Face state dict), read once after parallelizing.
-        self._pretrained = (pretrained, pretrained_prefix) if pretrained is not None else None
+        self._pretrained = (options.pretrained, options.pretrained_prefix) if options.pretrained is not None else None
         self.pretrained_load: PretrainedLoad | None = None  # what was loaded: names, prefix, groups
         self.num_nodes = 1
 

@@ -136,13 +136,14 @@ def validate(cfg: DictConfig):
 def _check_checkpoint(cfg: DictConfig) -> None:
     """The ``checkpoint:`` keys, before any process starts."""
     from lightning_5d.checkpoint.strategy_io import checked_options
+    from lightning_5d.config import StrategyOptions
     from lightning_5d.worker import checkpoint_options
 
     section = OmegaConf.to_container(cfg.checkpoint, resolve=True) if "checkpoint" in cfg else None
     try:
         options = checkpoint_options(section or {})
-        checked_options(options.get("checkpoint_format", "sharded"), options.get("checkpoint_write", "sync"),
-                        options.get("keep_last_k"))  # fmt: skip
+        typed = StrategyOptions(**options)  # types and ranges, as FiveDStrategy checks them
+        checked_options(typed.checkpoint_format, typed.checkpoint_write, typed.keep_last_k)  # async needs sharded
     except ValueError as err:
         raise ConfigError(f"checkpoint: {err}") from None
     pretrained = options.get("pretrained")

@@ -28,6 +28,7 @@ def run(cfg: Mapping[str, Any], run_dir: str | Path) -> Optional[dict]:
     from lightning.fabric.plugins.environments import TorchElasticEnvironment
 
     from lightning_5d.config import ParallelConfig
+    from lightning_5d.console import quiet_third_party_notices
     from lightning_5d.models import LlamaLM, TextDataModule
     from lightning_5d.precision import precision_plugins
     from lightning_5d.report import RunReport
@@ -70,8 +71,7 @@ def run(cfg: Mapping[str, Any], run_dir: str | Path) -> Optional[dict]:
         plugins.append(TorchElasticEnvironment())
     # Sequences come from an in-memory tensor; worker processes would only add startup time.
     warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
-    # Lightning 2.6's own use of a deprecated torch pytree API, printed once per rank.
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
+    quiet_third_party_notices()
 
     from lightning_5d.requeue import job_setup
 

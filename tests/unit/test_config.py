@@ -43,8 +43,8 @@ def test_ep_must_divide_the_ranks_it_borrows():
     [
         (dict(zero=4), "zero=4 is not valid"),
         (dict(activation_checkpointing="some"), "activation_checkpointing='some' is not valid"),
-        (dict(tp=0), "tp=0 must be >= 1"),
-        (dict(tp="two"), "tp='two' must be a positive integer"),
+        (dict(tp=0), "tp=0 is not valid.*>= 1"),
+        (dict(tp="two"), "tp=.two. is not valid.*integer"),
         (dict(rank_order=("tp", "dp_shard")), "rank_order"),
         (dict(pipeline={"schedule": "gpipe2"}), "pipeline.schedule='gpipe2'"),
         (dict(pipeline={"steps": 3}), r"Unknown key\(s\) \['steps'\] in `pipeline`"),
@@ -109,3 +109,12 @@ def test_expert_section_bad_values_are_rejected():
             ParallelConfig(expert={"capacity_factor": bad})
     with pytest.raises(LayoutError, match=r"Unknown key\(s\) \['capacity'\] in `expert`"):
         ParallelConfig(expert={"capacity": 1.0})
+
+
+def test_l5d_train_checks_the_parallel_section_with_the_same_schema():
+    from lightning_5d.train import compose, validate
+
+    with pytest.raises(LayoutError, match=r"pipeline\.microbatches='abc' is not valid.*allowed: an integer >= 1"):
+        validate(compose(["recipe=tiny_tp", "parallel.pipeline.microbatches=abc"]))
+    with pytest.raises(LayoutError, match=r"expert\.aux_loss_coef=-1 is not valid"):
+        validate(compose(["recipe=tiny_tp", "parallel.expert.aux_loss_coef=-1"]))

@@ -15,9 +15,9 @@ def test_the_sharded_format_is_the_default():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        ({"checkpoint_format": "zip"}, "'zip' is not a CheckpointFormat; use one of \\['sharded', 'full'\\]"),
-        ({"checkpoint_write": "later"}, "'later' is not a CheckpointWrite"),
-        ({"keep_last_k": 0}, "keep_last_k=0: keep at least 1"),
+        ({"checkpoint_format": "zip"}, "checkpoint_format='zip' is not valid.*one of 'sharded', 'full'"),
+        ({"checkpoint_write": "later"}, "checkpoint_write='later' is not valid.*one of 'sync', 'async'"),
+        ({"keep_last_k": 0}, "keep_last_k=0 is not valid.*>= 1"),
         ({"checkpoint_format": "full", "checkpoint_write": "async"}, "async' needs checkpoint_format='sharded'"),
     ],
 )
@@ -28,7 +28,7 @@ def test_bad_options_fail_when_the_strategy_is_built(kwargs, message):
 
 def test_l5d_train_checks_the_checkpoint_keys_before_launch(tmp_path):
     validate(compose(["recipe=tiny_tp", "checkpoint.write=async", "checkpoint.keep_last_k=3"]))
-    with pytest.raises(ConfigError, match="checkpoint: 'zip' is not a CheckpointFormat"):
+    with pytest.raises(ConfigError, match="checkpoint: checkpoint_format='zip' is not valid"):
         validate(compose(["recipe=tiny_tp", "checkpoint.format=zip"]))
     with pytest.raises(ConfigError, match="unknown checkpoint option"):
         validate(compose(["recipe=tiny_tp", "+checkpoint.every=3"]))
