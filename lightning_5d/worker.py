@@ -86,7 +86,7 @@ def run(cfg: Mapping[str, Any], run_dir: str | Path, early: Any = None) -> Optio
         precision=precision,
         default_root_dir=str(run_dir),
         enable_progress_bar=False,
-        callbacks=[report, *requeue.callbacks],
+        callbacks=[report, *requeue.callbacks, checkpoint_notice()],
         plugins=plugins,
         **trainer_kwargs,
     )
@@ -98,6 +98,28 @@ def run(cfg: Mapping[str, Any], run_dir: str | Path, early: Any = None) -> Optio
 
         return json.loads(summary.read_text())
     return None
+
+
+def checkpoint_notice() -> Any:
+    """A callback that says, once fit has set up, where this run's checkpoints go and how to export them."""
+    import lightning as L
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+    class CheckpointNotice(L.Callback):
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+            # ModelCheckpoint learns its folder in setup (<run dir>/checkpoints without a logger).
+            for callback in trainer.checkpoint_callbacks:
+                folder = getattr(callback, "dirpath", None)
+                if folder:
+                    rank_zero_info(
+                        f"[lightning_5d] checkpoints: {folder} (`latest` names the newest); to a Hugging Face "
+                        f"folder or .safetensors: l5d export {folder} <out>"
+                    )
+            for callback in trainer.callbacks:
+                if type(callback).__name__ == "AutoRequeue":
+                    rank_zero_info(f"[lightning_5d] requeue checkpoints: {callback.dirpath}")
+
+    return CheckpointNotice()
 
 
 def checkpoint_options(section: Mapping[str, Any]) -> dict[str, Any]:
