@@ -223,8 +223,8 @@ def _infer_format(out: Path, hf: Mapping[str, Any] | None) -> ExportFormat:
     if hf is not None:
         return ExportFormat.HF
     raise ValueError(
-        f"cannot tell the format from {out.name!r}: name it *.safetensors or *.pt, or pass format "
-        f"(--format safetensors|pt|hf)."
+        f"cannot tell the format from {out.name!r}: name it *.safetensors or *.pt, or choose the format "
+        f"(safetensors, pt or hf)."
     )
 
 
