@@ -276,6 +276,7 @@ class AutoRequeue(pl.Callback):
         self.outcome: Optional[RequeueOutcome] = None
         self.saved: Optional[Path] = None
         self._checked_step = -1
+        self._fitted = False
 
     @property
     def signals(self) -> tuple[signal.Signals, ...]:
@@ -305,8 +306,10 @@ class AutoRequeue(pl.Callback):
             rank_zero_info(f"[lightning_5d] AutoRequeue: {self.flag.received.name} arrived during start-up")
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        # A signal already received (before fit, during setup or the checkpoint restore) is kept:
-        # the first optimizer step acts on it.
+        # A signal received before the first fit (start-up, setup, the checkpoint restore) is kept:
+        # the first optimizer step acts on it. One from an earlier fit was handled or reported there.
+        if self._fitted:
+            self.flag.clear()
         self.outcome, self.saved, self._checked_step = None, None, -1
         if not self.flag.install():
             rank_zero_warn(
@@ -362,7 +365,7 @@ class AutoRequeue(pl.Callback):
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         self.flag.restore()
-        self.flag.clear()  # handled (or reported by on_train_end); a later fit starts without it
+        self._fitted = True
 
     # ---------------------------------------------------------------- the work
 

@@ -201,7 +201,9 @@ def prune(root: Path, keep_last_k: int, pattern: str = "*.ckpt", branch: Optiona
 
     With ``branch``: only checkpoints of its lineage count and go, in write order, so a
     rollback or another run's checkpoints are never removed in favour of each other. Without
-    (a folder with no record of who wrote what): step-numbered checkpoints, by step.
+    (a folder with no record of who wrote what): step-numbered checkpoints, by step. Either
+    way only ``step=N`` names are pruned: links (save_last="link") and names like last.ckpt
+    or epoch=3.ckpt are left alone.
     """
     if keep_last_k < 0:
         return []
@@ -209,10 +211,12 @@ def prune(root: Path, keep_last_k: int, pattern: str = "*.ckpt", branch: Optiona
     record = lineage.read(root) if branch is not None else {}
     if branch is not None and branch.id in record["branches"]:
         named = [root / e["name"] for e in lineage.lineage(record, branch.id)]
-        done = [p for p in dict.fromkeys(named) if p.match(pattern) and not p.is_symlink() and is_complete(p)]
+        done = [
+            p
+            for p in dict.fromkeys(named)
+            if p.match(pattern) and _step_of(p) >= 0 and not p.is_symlink() and is_complete(p)
+        ]
     else:
-        # Only step-numbered checkpoints have an order; links (save_last="link") and names like
-        # last.ckpt or epoch=3.ckpt are left alone.
         done = sorted(
             (p for p in root.glob(pattern) if _step_of(p) >= 0 and not p.is_symlink() and is_complete(p)),
             key=_step_of,

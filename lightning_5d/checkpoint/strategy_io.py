@@ -298,7 +298,7 @@ class StrategyCheckpoints:
             return
         if self.strategy.is_global_zero and files.is_local(filepath):
             path = Path(filepath)
-            if path.is_symlink() or files.latest_checkpoint(path.parent) != path:
+            if path.is_symlink() or files.latest_checkpoint(path.parent, quiet=True) != path:
                 files.remove(path)
 
     # ------------------------------------------------------------------ load
@@ -328,9 +328,9 @@ class StrategyCheckpoints:
         """Saves after this load continue the run that wrote ``path``, as its next start."""
         self._branch = Branch.resumed_from(stamp, job=_job_id())
         if self.strategy.is_global_zero:
-            log.info(
-                "[lightning_5d] resuming run %s (start %d) from %s", self._branch.run, self._branch.resume, path
-            )
+            from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+            rank_zero_info(f"[lightning_5d] resuming run {self._branch.run} (start {self._branch.resume}) from {path}")
 
     def load_model(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         s = self.strategy

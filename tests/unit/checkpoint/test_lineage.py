@@ -130,3 +130,11 @@ def test_a_checkpoint_without_a_stamp_starts_a_run_of_its_own():
     assert branch.parent is None and branch.resume == 0
     again = Branch.resumed_from(branch.stamp(3))
     assert again.run == branch.run and again.parent == {"branch": branch.id, "step": 3}
+
+
+def test_only_step_numbered_checkpoints_of_the_lineage_are_pruned(tmp_path):
+    run = Branch.fresh()
+    _save(tmp_path, "step=2.ckpt", run, 2)
+    _save(tmp_path, "last.ckpt", run, 2)  # ModelCheckpoint(save_last=True) after its top-k save
+    _save(tmp_path, "step=4.ckpt", run, 4, keep_last_k=1)
+    assert _names(tmp_path) == ["last.ckpt", "step=4.ckpt"]
