@@ -41,6 +41,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 SignalSpec = Union[str, int, signal.Signals]
 CommandSpec = Union[str, Sequence[str]]
+# What lightning_5d/worker_boot.py recorded before the imports: ({signal: handler before it}, [received]).
+EarlySignals = tuple[Mapping[signal.Signals, Any], Sequence[signal.Signals]]
 
 DEFAULT_SIGNALS: tuple[str, ...] = ("SIGUSR1", "SIGTERM")
 DEFAULT_COMMAND = "scontrol requeue {job_id}"
@@ -157,7 +159,7 @@ class SignalFlag:
                 taken[signum] = signal.signal(signum, self)
         return taken
 
-    def take_over(self, early: Optional[tuple[Mapping[signal.Signals, Any], Sequence[signal.Signals]]]) -> None:
+    def take_over(self, early: Optional[EarlySignals]) -> None:
         """Install, taking over from a start-up catcher (lightning_5d/worker_boot.py): the signals it
         recorded count as received here, and restore() puts back what was there before it.
 
@@ -294,7 +296,7 @@ class AutoRequeue(pl.Callback):
 
     # ---------------------------------------------------------------- handlers
 
-    def install(self, early: Optional[tuple[Mapping[signal.Signals, Any], Sequence[signal.Signals]]] = None) -> None:
+    def install(self, early: Optional[EarlySignals] = None) -> None:
         """Catch the signals from now on, not only from ``fit``'s start: call it first thing in a
         script, so that a preemption notice during imports, setup or the checkpoint restore is
         remembered and acted on at the first optimizer step (save, requeue). ``early``: what a
@@ -526,7 +528,7 @@ def validate_job(cfg: Mapping[str, Any]) -> None:
 def job_setup(
     cfg: Mapping[str, Any],
     plugins: Sequence[Any] = (),
-    early: Optional[tuple[Mapping[signal.Signals, Any], Sequence[signal.Signals]]] = None,
+    early: Optional[EarlySignals] = None,
 ) -> JobRequeue:
     """Callbacks, plugins and ``ckpt_path`` for one ``l5d train`` worker.
 
@@ -551,7 +553,7 @@ def job_setup(
     return setup
 
 
-def _hand_back(early: tuple[Mapping[signal.Signals, Any], Sequence[signal.Signals]]) -> None:
+def _hand_back(early: EarlySignals) -> None:
     """No requeue: the start-up catcher's signals get their own handlers back, and one that
     arrived meanwhile is delivered again (ending the process as it would have)."""
     if threading.current_thread() is not threading.main_thread():

@@ -87,8 +87,8 @@ def latest_checkpoint(root: str | os.PathLike, quiet: bool = False) -> Path | No
     pointer = root / LATEST
     record = lineage.read(root) if root.is_dir() else {"branches": {}}
     named = _pointer_target(pointer)
-    if named is not None and is_complete(named):
-        problem = damage(named, record)
+    if named is not None and (is_complete(named) or lineage.branch_of(record, named.name) is not None):
+        problem = damage(named, record) if is_complete(named) else f"{named} is missing or incomplete"
         if problem is None:
             return named
         fallback = _intact_before(root, named, record)
@@ -99,7 +99,13 @@ def latest_checkpoint(root: str | os.PathLike, quiet: bool = False) -> Path | No
                 else "no intact checkpoint of its lineage is left",  # fmt: skip
             )
         return fallback
-    # No pointer (or it names something removed by hand): the highest intact step.
+    # No pointer (a kill before the first one was written), or it names something unrecorded
+    # that is gone: the most recently written intact checkpoint the record lists, else the
+    # highest intact step.
+    for name in lineage.newest_first(record):
+        path = root / name
+        if is_complete(path) and damage(path, record) is None:
+            return path
     candidates = [
         p for p in root.glob("*.ckpt") if not p.name.startswith(".") and is_complete(p) and damage(p, record) is None
     ]

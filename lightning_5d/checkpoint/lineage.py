@@ -105,7 +105,9 @@ def add(root: Path, branch: Branch, name: str, step: int, size: Optional[int] = 
             "checkpoints": [],
         }
         notes = _outside_notes(root, record, branch)
-    entry: dict[str, Any] = {"name": name, "step": int(step)}
+    # seq: the folder's write order across branches (the newest written is the last `latest` named).
+    seq = 1 + max((e.get("seq", 0) for b in branches.values() for e in b.get("checkpoints", [])), default=0)
+    entry: dict[str, Any] = {"name": name, "step": int(step), "seq": seq}
     if size is not None:
         entry["size"] = int(size)
     branches[branch.id]["checkpoints"].append(entry)
@@ -127,6 +129,12 @@ def lineage(record: dict[str, Any], branch_id: str, upto: Optional[int] = None) 
     for bid, limit in reversed(chain):
         entries += [e for e in branches[bid].get("checkpoints", []) if limit is None or e.get("step", 0) <= limit]
     return entries
+
+
+def newest_first(record: dict[str, Any]) -> list[str]:
+    """Every recorded name, the most recently written first."""
+    entries = [e for b in record.get("branches", {}).values() for e in b.get("checkpoints", [])]
+    return [e["name"] for e in sorted(entries, key=lambda e: e.get("seq", 0), reverse=True)]
 
 
 def branch_of(record: dict[str, Any], name: str) -> Optional[str]:

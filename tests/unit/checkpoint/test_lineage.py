@@ -138,3 +138,14 @@ def test_only_step_numbered_checkpoints_of_the_lineage_are_pruned(tmp_path):
     _save(tmp_path, "last.ckpt", run, 2)  # ModelCheckpoint(save_last=True) after its top-k save
     _save(tmp_path, "step=4.ckpt", run, 4, keep_last_k=1)
     assert _names(tmp_path) == ["last.ckpt", "step=4.ckpt"]
+
+
+def test_without_a_pointer_the_most_recently_written_checkpoint_wins_not_the_highest_step(tmp_path):
+    old, rerun = Branch.fresh(), Branch.fresh()
+    _save(tmp_path, "step=8.ckpt", old, 8)
+    _save(tmp_path, "step=2.ckpt", rerun, 2)
+    (tmp_path / files.LATEST).unlink()  # e.g. killed before the first `latest` of a new folder copy
+    assert files.latest_checkpoint(tmp_path) == tmp_path / "step=2.ckpt"
+    (tmp_path / files.LATEST).write_text("step=2.ckpt\n")
+    files.remove(tmp_path / "step=2.ckpt")  # removed by hand: the run's lineage has nothing left
+    assert files.latest_checkpoint(tmp_path) is None
