@@ -3,8 +3,8 @@
 Started by ``torch.distributed.run`` as ``python lightning_5d/worker_boot.py [--catch
 SIGNALS] <run dir>/resolved.yaml``, which records the requeue signals before any import and
 then calls :func:`main` (``python -m lightning_5d.worker <resolved.yaml>`` works too, without
-that); Lightning detects torchelastic and launches nothing. Or called in-process through :func:`run` when the job already is one rank of a SLURM or
-torchrun job. Everything it needs is in the resolved config; its outputs go to the
+that); Lightning detects torchelastic and launches nothing. Or called in-process through
+:func:`run` when the job already is one rank of a SLURM or torchrun job. Everything it needs is in the resolved config; its outputs go to the
 directory that holds it.
 """
 

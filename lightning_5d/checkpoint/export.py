@@ -273,7 +273,9 @@ def export_checkpoint(
         raise api.CheckpointError(f"{ckpt} is not a Lightning checkpoint: it has no {err} entry.") from err
     state, left_out = select_tensors(model_state, prefix)
     if not state:
-        raise ValueError(f"{ckpt} has no tensors under the prefix {prefix!r}; pass another prefix ('' keeps every name).")
+        raise ValueError(
+            f"{ckpt} has no tensors under the prefix {prefix!r}; pass another prefix ('' keeps every name)."
+        )
     tmp = _tmp_name(out)
     try:
         if fmt == ExportFormat.HF:
