@@ -1,7 +1,8 @@
 """Start the ranks of one ``l5d train`` job.
 
 On one machine the job runs ``python -m torch.distributed.run --standalone
---nproc-per-node <devices> -m lightning_5d.worker <run dir>/resolved.yaml``; Lightning
+--nproc-per-node <devices> lightning_5d/worker_boot.py [--catch <requeue signals>]
+<run dir>/resolved.yaml`` (worker.py); Lightning
 sees the torchelastic variables and does not launch processes of its own. Workers'
 output is streamed to this process's stdout and copied to ``<run dir>/workers.log``.
 A hard timeout stops the whole process group, and the workers die with this process
@@ -21,7 +22,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Optional, TextIO
+from typing import Optional, Sequence, TextIO
 
 
 class WorkersFailed(RuntimeError):
@@ -162,12 +163,16 @@ def torchrun(
     timeout_s: Optional[float] = None,
     master_port: Optional[int] = None,
     log_file: Optional[Path] = None,
+    catch: Sequence[str] = (),
 ) -> int:
     """Run ``nproc`` workers on ``resolved``; return torchrun's exit code.
 
+    ``catch``: signal names each worker records from its first line (the requeue signals), so
+    that one arriving during imports or setup is acted on instead of ending the worker.
     Raises :class:`WorkersFailed` if they run past ``timeout_s`` (they are stopped first).
     """
-    target = ["-m", "lightning_5d.worker", str(resolved)]
+    boot = Path(__file__).with_name("worker_boot.py")
+    target = [str(boot), *(["--catch", ",".join(catch)] if catch else []), str(resolved)]
     log = open(log_file, "a", encoding="utf-8") if log_file else None
     try:
         if log:

@@ -41,6 +41,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 SignalSpec = Union[str, int, signal.Signals]
 CommandSpec = Union[str, Sequence[str]]
+# What lightning_5d/worker_boot.py recorded before the imports: ({signal: handler before it}, [received]).
+EarlySignals = tuple[Mapping[signal.Signals, Any], Sequence[signal.Signals]]
 
 DEFAULT_SIGNALS: tuple[str, ...] = ("SIGUSR1", "SIGTERM")
 DEFAULT_COMMAND = "scontrol requeue {job_id}"
@@ -157,6 +159,27 @@ class SignalFlag:
                 taken[signum] = signal.signal(signum, self)
         return taken
 
+    def take_over(self, early: Optional[EarlySignals]) -> None:
+        """Install, taking over from a start-up catcher (lightning_5d/worker_boot.py): the signals it
+        recorded count as received here, and restore() puts back what was there before it.
+
+        A recorded signal this flag does not handle gets its own previous handler back and is
+        delivered again, so it ends the process as it would have without the catcher.
+        """
+        previous, received = early if early is not None else ({}, [])
+        if not self.install():
+            return
+        for signum, handler in previous.items():
+            if signum in self._previous:
+                self._previous[signum] = handler  # the handler from before the catcher
+            else:
+                signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        mine = [s for s in received if s in self.signals]
+        if mine and self.received is None:
+            self.received = mine[0]
+        for signum in dict.fromkeys(s for s in received if s not in self.signals):
+            signal.raise_signal(signum)
+
     def previous(self, signum: signal.Signals) -> Any:
         """The handler :meth:`restore` puts back for ``signum``."""
         handler = self._previous.get(signum)
@@ -255,6 +278,7 @@ class AutoRequeue(pl.Callback):
         self.outcome: Optional[RequeueOutcome] = None
         self.saved: Optional[Path] = None
         self._checked_step = -1
+        self._fitted = False
 
     @property
     def signals(self) -> tuple[signal.Signals, ...]:
@@ -272,8 +296,22 @@ class AutoRequeue(pl.Callback):
 
     # ---------------------------------------------------------------- handlers
 
+    def install(self, early: Optional[EarlySignals] = None) -> None:
+        """Catch the signals from now on, not only from ``fit``'s start: call it first thing in a
+        script, so that a preemption notice during imports, setup or the checkpoint restore is
+        remembered and acted on at the first optimizer step (save, requeue). ``early``: what a
+        start-up catcher recorded (``l5d train``'s workers start with one)."""
+        if threading.current_thread() is not threading.main_thread():
+            return  # on_fit_start warns
+        self.flag.take_over(early)
+        if self.flag.received is not None:
+            rank_zero_info(f"[lightning_5d] AutoRequeue: {self.flag.received.name} arrived during start-up")
+
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self.flag.clear()
+        # A signal received before the first fit (start-up, setup, the checkpoint restore) is kept:
+        # the first optimizer step acts on it. One from an earlier fit was handled or reported there.
+        if self._fitted:
+            self.flag.clear()
         self.outcome, self.saved, self._checked_step = None, None, -1
         if not self.flag.install():
             rank_zero_warn(
@@ -329,6 +367,7 @@ class AutoRequeue(pl.Callback):
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         self.flag.restore()
+        self._fitted = True
 
     # ---------------------------------------------------------------- the work
 
@@ -486,10 +525,17 @@ def validate_job(cfg: Mapping[str, Any]) -> None:
         resume_checkpoint(resume, config.dirpath)
 
 
-def job_setup(cfg: Mapping[str, Any], plugins: Sequence[Any] = ()) -> JobRequeue:
+def job_setup(
+    cfg: Mapping[str, Any],
+    plugins: Sequence[Any] = (),
+    early: Optional[EarlySignals] = None,
+) -> JobRequeue:
     """Callbacks, plugins and ``ckpt_path`` for one ``l5d train`` worker.
 
     ``plugins``: those the worker passes already; a cluster environment among them is kept.
+    ``early``: what the worker's start-up catcher recorded (lightning_5d/worker_boot.py). The
+    handlers are installed here, before the Trainer exists, so that a signal during setup or the
+    checkpoint restore is acted on at the first optimizer step.
     """
     config = RequeueConfig.from_mapping(cfg.get("requeue"))
     requeued = AutoRequeue.resume_path(config.dirpath) if config.enabled else None
@@ -498,10 +544,25 @@ def job_setup(cfg: Mapping[str, Any], plugins: Sequence[Any] = ()) -> JobRequeue
     setup = JobRequeue(ckpt_path=requeued or resume_checkpoint(cfg.get("resume"), config.dirpath))
     if config.enabled:
         setup.callback = config.callback()
+        setup.callback.install(early)
         setup.plugins = _slurm_environment(plugins)
+    elif early is not None:
+        _hand_back(early)
     if setup.ckpt_path is not None:
         rank_zero_info(f"[lightning_5d] resuming from {setup.ckpt_path}")
     return setup
+
+
+def _hand_back(early: EarlySignals) -> None:
+    """No requeue: the start-up catcher's signals get their own handlers back, and one that
+    arrived meanwhile is delivered again (ending the process as it would have)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    previous, received = early
+    for signum, handler in previous.items():
+        signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+    for signum in dict.fromkeys(received):
+        signal.raise_signal(signum)
 
 
 def _slurm_environment(plugins: Sequence[Any]) -> list:

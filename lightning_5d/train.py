@@ -255,7 +255,7 @@ def job_config(cfg: DictConfig, layout: Any) -> dict:
 def write_resolved(job: dict, run_dir: Path) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / RESOLVED_NAME
-    header = "# Written by `l5d train`; the workers (python -m lightning_5d.worker <this file>) read it.\n"
+    header = "# Written by `l5d train`; the workers (lightning_5d/worker.py) read it.\n"
     tmp = path.with_suffix(".yaml.tmp")
     tmp.write_text(header + OmegaConf.to_yaml(OmegaConf.create(job)), encoding="utf-8")
     tmp.replace(path)
@@ -286,6 +286,12 @@ def launch_mode(cfg: DictConfig) -> str:
             "(launcher.mode=auto then runs each rank in-process)."
         )
     return mode
+
+
+def _requeue_signals(requeue: Any) -> list[str]:
+    from lightning_5d.requeue import DEFAULT_SIGNALS, parse_signals
+
+    return [s.name for s in parse_signals(requeue.get("signals", DEFAULT_SIGNALS))]
 
 
 def run_job(cfg: DictConfig) -> Optional[dict]:
@@ -319,12 +325,14 @@ def run_job(cfg: DictConfig) -> Optional[dict]:
         return run(job, run_dir)
 
     resolved = write_resolved(job, run_dir)
+    requeue = job.get("requeue") or {}
     rc = launch.torchrun(
         resolved,
         nproc=cfg.devices,
         timeout_s=cfg.launcher.timeout_s,
         master_port=cfg.launcher.master_port,
         log_file=run_dir / "workers.log",
+        catch=_requeue_signals(requeue) if requeue.get("enabled") else (),
     )
     if rc != 0:
         raise WorkersFailed(f"workers exited with code {rc}; their output is in {run_dir / 'workers.log'}")

@@ -1,9 +1,10 @@
 """One rank of an ``l5d train`` job: model, data and Trainer from the resolved config; fit.
 
-Started as ``python -m lightning_5d.worker <run dir>/resolved.yaml`` by
-``torch.distributed.run`` (Lightning detects torchelastic and launches nothing), or
-called in-process through :func:`run` when the job already is one rank of a SLURM or
-torchrun job. Everything it needs is in the resolved config; its outputs go to the
+Started by ``torch.distributed.run`` as ``python lightning_5d/worker_boot.py [--catch
+SIGNALS] <run dir>/resolved.yaml``, which records the requeue signals before any import and
+then calls :func:`main` (``python -m lightning_5d.worker <resolved.yaml>`` works too, without
+that); Lightning detects torchelastic and launches nothing. Or called in-process through
+:func:`run` when the job already is one rank of a SLURM or torchrun job. Everything it needs is in the resolved config; its outputs go to the
 directory that holds it.
 """
 
@@ -22,8 +23,9 @@ def layout_text(layout: Any) -> str:
     return ",".join(parts) or "single"
 
 
-def run(cfg: Mapping[str, Any], run_dir: str | Path) -> Optional[dict]:
-    """Train this rank on ``cfg`` (the resolved config as plain containers)."""
+def run(cfg: Mapping[str, Any], run_dir: str | Path, early: Any = None) -> Optional[dict]:
+    """Train this rank on ``cfg`` (the resolved config as plain containers); ``early``: the
+    signals worker_boot.py caught before the imports."""
     import lightning as L
     from lightning.fabric.plugins.environments import TorchElasticEnvironment
 
@@ -75,7 +77,7 @@ def run(cfg: Mapping[str, Any], run_dir: str | Path) -> Optional[dict]:
 
     from lightning_5d.requeue import job_setup
 
-    requeue = job_setup(cfg, plugins)
+    requeue = job_setup(cfg, plugins, early)
     plugins.extend(requeue.plugins)
     trainer = L.Trainer(
         devices=devices,
@@ -84,7 +86,7 @@ def run(cfg: Mapping[str, Any], run_dir: str | Path) -> Optional[dict]:
         precision=precision,
         default_root_dir=str(run_dir),
         enable_progress_bar=False,
-        callbacks=[report, *requeue.callbacks],
+        callbacks=[report, *requeue.callbacks, checkpoint_notice()],
         plugins=plugins,
         **trainer_kwargs,
     )
@@ -98,6 +100,28 @@ def run(cfg: Mapping[str, Any], run_dir: str | Path) -> Optional[dict]:
     return None
 
 
+def checkpoint_notice() -> Any:
+    """A callback that says, once fit has set up, where this run's checkpoints go and how to export them."""
+    import lightning as L
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+    class CheckpointNotice(L.Callback):
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+            # ModelCheckpoint learns its folder in setup (<run dir>/checkpoints without a logger).
+            for callback in trainer.checkpoint_callbacks:
+                folder = getattr(callback, "dirpath", None)
+                if folder:
+                    rank_zero_info(
+                        f"[lightning_5d] checkpoints: {folder} (`latest` names the newest); to a Hugging Face "
+                        f"folder or .safetensors: l5d export {folder} <out>"
+                    )
+            for callback in trainer.callbacks:
+                if type(callback).__name__ == "AutoRequeue":
+                    rank_zero_info(f"[lightning_5d] requeue checkpoints: {callback.dirpath}")
+
+    return CheckpointNotice()
+
+
 def checkpoint_options(section: Mapping[str, Any]) -> dict[str, Any]:
     """conf's ``checkpoint:`` section -> FiveDStrategy keyword arguments."""
     names = {"format": "checkpoint_format", "write": "checkpoint_write", "keep_last_k": "keep_last_k",
@@ -108,7 +132,7 @@ def checkpoint_options(section: Mapping[str, Any]) -> dict[str, Any]:
     return {names[k]: v for k, v in section.items() if v is not None}
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Optional[Sequence[str]] = None, early: Any = None) -> int:
     from omegaconf import OmegaConf
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -117,7 +141,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     path = Path(argv[0]).resolve()
     cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    run(cfg, path.parent)
+    run(cfg, path.parent, early)
     return 0
 
 

@@ -1,6 +1,7 @@
 """Export a checkpoint as a plain state dict or a Hugging Face folder: ``l5d export CKPT OUT``.
 
-A checkpoint (a sharded directory or a full ``.ckpt`` file) is consolidated in one process
+A checkpoint (a sharded directory or a full ``.ckpt`` file; a folder of checkpoints, such
+as ``<run dir>/checkpoints`` of ``l5d train``, means the one its ``latest`` names) is consolidated in one process
 without a process group and written as
 
 - ``safetensors``: one ``.safetensors`` file of tensors (tied / shared tensors are cloned,
@@ -52,9 +53,11 @@ class ExportResult:
     tensors: int
     bytes: int
     left_out: list[str] = field(default_factory=list)  # entries outside the prefix, or not tensors
+    source: Path | None = None  # the checkpoint read (a folder's `latest`)
 
     def describe(self) -> str:
-        text = f"wrote {self.path} ({self.format.value}: {self.tensors} tensors, {self.bytes / 2**20:.1f} MiB"
+        text = f"read {self.source}\n" if self.source is not None else ""
+        text += f"wrote {self.path} ({self.format.value}: {self.tensors} tensors, {self.bytes / 2**20:.1f} MiB"
         text += f", prefix {self.prefix!r} stripped)" if self.prefix else ")"
         if self.left_out:
             shown = ", ".join(self.left_out[:8]) + (" ..." if len(self.left_out) > 8 else "")
@@ -125,15 +128,22 @@ def checkpoint_hf(path: str | os.PathLike) -> dict[str, Any] | None:
     return dict(hf) if isinstance(hf, Mapping) else None
 
 
-def _check_checkpoint_path(path: Path) -> None:
+def resolve_checkpoint(path: Path) -> Path:
+    """``path`` itself, or for a folder of checkpoints the one its ``latest`` names (falling back
+    past a damaged one to the newest intact checkpoint of the same run)."""
     ckpt = _checkpoint_api()
     if not path.exists():
         raise ckpt.CheckpointError(f"checkpoint {path} does not exist.")
     if path.is_dir() and not ckpt.is_sharded_checkpoint(path):
+        latest = ckpt.latest_checkpoint(path)
+        if latest is not None:
+            return latest
         raise ckpt.CheckpointError(
-            f"{path} is a directory but not a complete lightning_5d sharded checkpoint (no COMPLETE marker or "
-            f"layout.json): pass a checkpoint directory written by trainer.save_checkpoint, or a .ckpt file."
+            f"{path} is a directory but neither a complete lightning_5d sharded checkpoint (no COMPLETE marker or "
+            f"layout.json) nor a folder of complete checkpoints: pass a checkpoint written by trainer.save_checkpoint "
+            f"(a directory or a .ckpt file) or the folder that holds them (e.g. <run dir>/checkpoints)."
         )
+    return path
 
 
 def select_tensors(state: Mapping[str, Any], prefix: str) -> tuple[dict[str, Tensor], list[str]]:
@@ -175,7 +185,7 @@ def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
         os.replace(tmp, out)
         return
     if not overwrite:  # checked before writing too; someone may have created it meanwhile
-        raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it.")
+        raise FileExistsError(f"{out} exists; replace it with overwrite=True.")
     old = out.with_name(f".{out.name}.old-{os.getpid()}")
     os.replace(out, old)
     os.replace(tmp, out)
@@ -213,8 +223,8 @@ def _infer_format(out: Path, hf: Mapping[str, Any] | None) -> ExportFormat:
     if hf is not None:
         return ExportFormat.HF
     raise ValueError(
-        f"cannot tell the format from {out.name!r}: name it *.safetensors or *.pt, or pass format "
-        f"(--format safetensors|pt|hf)."
+        f"cannot tell the format from {out.name!r}: name it *.safetensors or *.pt, or choose the format "
+        f"(safetensors, pt or hf)."
     )
 
 
@@ -225,7 +235,8 @@ def export_checkpoint(
     prefix: str | None = None,
     overwrite: bool = False,
 ) -> ExportResult:
-    """Consolidate the checkpoint ``ckpt`` (sharded directory or full ``.ckpt``) into ``out``.
+    """Consolidate the checkpoint ``ckpt`` (sharded directory or full ``.ckpt``, or a folder of
+    them: its ``latest``) into ``out``.
 
     ``format``: ``"safetensors"``, ``"pt"`` or ``"hf"``; None takes it from ``out``'s suffix
     (a folder name means ``hf`` when the checkpoint recorded a Hugging Face model).
@@ -236,8 +247,8 @@ def export_checkpoint(
     ``overwrite``), ``ImportError`` (safetensors missing); nothing is written then.
     """
     api = _checkpoint_api()
-    ckpt, out = Path(ckpt), Path(out)
-    _check_checkpoint_path(ckpt)
+    given, out = Path(ckpt), Path(out)
+    ckpt = resolve_checkpoint(given)
     hf = checkpoint_hf(ckpt)
     fmt = _infer_format(out, hf) if format is None else ExportFormat(format)
     if fmt == ExportFormat.HF and hf is None:
@@ -251,7 +262,7 @@ def export_checkpoint(
     if fmt != ExportFormat.PT:
         require_safetensors()
     if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it.")
+        raise FileExistsError(f"{out} exists; replace it with overwrite=True.")
     if not out.parent.is_dir():
         raise FileNotFoundError(f"the folder of {out} does not exist.")
     if prefix is None:
@@ -262,7 +273,9 @@ def export_checkpoint(
         raise api.CheckpointError(f"{ckpt} is not a Lightning checkpoint: it has no {err} entry.") from err
     state, left_out = select_tensors(model_state, prefix)
     if not state:
-        raise ValueError(f"{ckpt} has no tensors under the prefix {prefix!r}; pass another prefix (--prefix '').")
+        raise ValueError(
+            f"{ckpt} has no tensors under the prefix {prefix!r}; pass another prefix ('' keeps every name)."
+        )
     tmp = _tmp_name(out)
     try:
         if fmt == ExportFormat.HF:
@@ -276,7 +289,7 @@ def export_checkpoint(
         _remove(tmp)
         raise
     size = sum(t.numel() * t.element_size() for t in state.values())
-    return ExportResult(out, fmt, prefix, len(state), size, left_out)
+    return ExportResult(out, fmt, prefix, len(state), size, left_out, source=ckpt if ckpt != given else None)
 
 
 # ---------------------------------------------------------------------- l5d export
@@ -290,7 +303,12 @@ def register(subparsers: Any) -> None:
         help=EXPORT_HELP,
         description=EXPORT_HELP + ". See docs/checkpoints.md (Export and import).",
     )
-    cmd.add_argument("ckpt", metavar="CKPT", help="a sharded checkpoint directory or a full .ckpt file")
+    cmd.add_argument(
+        "ckpt",
+        metavar="CKPT",
+        help="a sharded checkpoint directory, a full .ckpt file, or a folder of them (its `latest` is read), "
+        "e.g. <run dir>/checkpoints of l5d train",
+    )
     cmd.add_argument("out", metavar="OUT", help="the file (.safetensors, .pt) or folder (hf) to write")
     cmd.add_argument(
         "--format",
@@ -316,6 +334,9 @@ def run_export(args: argparse.Namespace) -> int:
     except ImportError as err:
         print(f"l5d export: {err}", file=sys.stderr)
         return 1
+    except FileExistsError as err:  # the API's wording names the keyword; here the flag
+        print(f"l5d export: {err.args[0].split(';')[0]}; pass --overwrite to replace it.", file=sys.stderr)
+        return 2
     except (CheckpointError, ValueError, OSError) as err:
         print(f"l5d export: {err}", file=sys.stderr)
         return 2

@@ -59,17 +59,21 @@ def load_dcp_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer
     set_optimizer_state_dict(module, optimizer, dict(state), options=StateDictOptions(full_state_dict=True))
 
 
-def atomic_save(checkpoint: dict[str, Any], filepath: str | os.PathLike, checkpoint_io, storage_options=None) -> None:
+def atomic_save(
+    checkpoint: dict[str, Any], filepath: str | os.PathLike, checkpoint_io, storage_options=None, branch=None, step=None
+) -> list[str]:
+    """Write, rename, then record it in the folder's lineage (``branch``) and move `latest`;
+    returns the lineage record's notes for the log."""
     # The rename is only atomic, and only safe, for a synchronous write to a local file:
     # remote URLs and asynchronous checkpoint IO go straight through.
     if not (is_local(filepath) and type(checkpoint_io) is TorchCheckpointIO):
         checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        return
+        return []
     path = Path(filepath)
     tmp = partial_path(path)
     checkpoint_io.save_checkpoint(checkpoint, tmp, storage_options=storage_options)
     os.replace(tmp, path)
-    update_latest(path)
+    return update_latest(path, branch, step)
 
 
 def load_file(checkpoint_io, filepath: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:

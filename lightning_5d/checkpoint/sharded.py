@@ -6,7 +6,8 @@ Layout of one checkpoint directory::
     meta.pt                        Lightning's checkpoint minus the tensors above (loops,
                                    callbacks, schedulers, precision state), read weights_only
     layout.json                    the layout that wrote it, and Hugging Face details if any
-    COMPLETE                       written last: the writers all finished
+    COMPLETE                       written last: the writers all finished; the step, and
+                                   each file's size and a hash of its ends (checked at load)
 
 Tensor keys are the unsplit model's names, so any layout can ask for the pieces it needs:
 ``model.<LightningModule state_dict key>`` and ``optim.<i>.state.<param name>.<stat>``
@@ -33,7 +34,7 @@ from torch.distributed.checkpoint import CheckpointException, FileSystemReader, 
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from lightning_5d.checkpoint.errors import CheckpointError
-from lightning_5d.checkpoint.files import COMPLETE
+from lightning_5d.checkpoint.files import COMPLETE, damage, stamp_files
 
 FORMAT_VERSION = 1
 META = "meta.pt"
@@ -124,6 +125,12 @@ def check_complete(path: str | os.PathLike) -> Path:
     for name in (".metadata", META, LAYOUT):
         if not (path / name).is_file():
             raise CheckpointError(f"checkpoint {path} lacks {name}; it is truncated. Resume from an earlier one.")
+    problem = damage(path)
+    if problem is not None:
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: {problem}. Resume from an earlier one (the folder's `latest` falls "
+            f"back to the newest intact checkpoint by itself); nothing was changed."
+        )
     return path
 
 
@@ -146,12 +153,13 @@ def serialize(meta: Mapping[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
-def write_extras(directory: Path, meta: Mapping[str, Any] | bytes, layout: Mapping[str, Any]) -> None:
-    """Rank 0, after every rank's tensors are on disk; COMPLETE goes last."""
+def write_extras(directory: Path, meta: Mapping[str, Any] | bytes, layout: Mapping[str, Any], step: int = -1) -> None:
+    """Rank 0, after every rank's tensors are on disk; COMPLETE goes last, stamping every file."""
     (directory / META).write_bytes(meta if isinstance(meta, bytes) else serialize(meta))
     (directory / LAYOUT).write_text(json.dumps({"format": FORMAT_VERSION, **layout}, indent=1, default=str))
+    stamp = stamp_files(directory, step)
     with open(directory / COMPLETE, "w") as f:
-        f.write("ok\n")
+        f.write(stamp)
         f.flush()
         os.fsync(f.fileno())
 
@@ -186,10 +194,38 @@ def read_tensors(path: str | os.PathLike, targets: dict[str, torch.Tensor], grou
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as err:  # DCP's own error is a BaseException
+        problem = damage(Path(path)) or _short_file(Path(path))
         raise CheckpointError(
-            f"reading tensors from {path} failed ({type(err).__name__}: {str(err)[:300]}). A data file is "
-            f"missing or truncated; resume from an earlier checkpoint. Nothing was changed on disk."
+            f"reading tensors from {path} failed: {problem or _cause(err)}. "
+            f"{'' if problem else 'A data file is missing or truncated; '}resume from an earlier checkpoint. "
+            f"Nothing was changed on disk."
         ) from err
+
+
+def _cause(err: BaseException) -> str:
+    """Each failing rank's own error (DCP wraps them with whole tracebacks), and the files it read."""
+    failures = getattr(err, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return f"{type(err).__name__}: {err}"
+    return "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in sorted(failures.items()))
+
+
+def _short_file(path: Path) -> str | None:
+    """A data file shorter than the byte ranges DCP's metadata says it holds (checkpoints without stamps)."""
+    try:
+        storage = SafeReader(str(path)).read_metadata().storage_data or {}
+        needed: dict[str, int] = {}
+        for info in storage.values():
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    except Exception:
+        return None
+    for name, size in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            return f"{file} is missing"
+        if file.stat().st_size < size:
+            return f"{file} has {file.stat().st_size} bytes, the metadata says {size} (truncated)"
+    return None
 
 
 def read_model_state(path: str | os.PathLike, prefix: str = MODEL) -> dict[str, torch.Tensor]:

@@ -12,6 +12,7 @@ come from, and cuts them with the same splits, so any layout reads any other's c
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import functools
@@ -27,6 +28,7 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from lightning_5d.checkpoint import files, full, sharded
+from lightning_5d.checkpoint.lineage import STAMP_KEY, Branch
 from lightning_5d.checkpoint.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -91,6 +93,16 @@ class StrategyCheckpoints:
         self._deferred_removals: list[Any] = []
         self._rng_states: dict[str, Any] | None = None  # this rank's, restored when training starts
         self._async_group: Any = None
+        # This start of the run (lineage.py): a fresh run until a checkpoint is loaded. Only
+        # rank 0's is written anywhere (the record, the stamp in a checkpoint), so the ranks'
+        # differing random ids never meet.
+        self._branch: Branch | None = None
+
+    @property
+    def branch(self) -> Branch:
+        if self._branch is None:
+            self._branch = Branch.fresh(job=_job_id())
+        return self._branch
 
     # ------------------------------------------------------------------ what each rank holds
     @property
@@ -160,6 +172,8 @@ class StrategyCheckpoints:
 
     # ------------------------------------------------------------------ save
     def save(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        # The stamp lets a resume continue this run's lineage (the same run id, the next start).
+        checkpoint[STAMP_KEY] = self.branch.stamp(_step(checkpoint, filepath))
         if self.format == CheckpointFormat.FULL:
             self._save_full(checkpoint, filepath, storage_options)
         else:
@@ -175,7 +189,10 @@ class StrategyCheckpoints:
         error = None
         if s.is_global_zero:
             try:
-                full.atomic_save(checkpoint, filepath, s.checkpoint_io, storage_options)
+                notes = full.atomic_save(
+                    checkpoint, filepath, s.checkpoint_io, storage_options, self.branch, _step(checkpoint, filepath)
+                )
+                _log_notes(notes)
                 self._prune(Path(filepath))
             except Exception as err:
                 error = f"{type(err).__name__}: {err}"
@@ -210,10 +227,12 @@ class StrategyCheckpoints:
         # Serialized now: callbacks hand over live objects that change before a background write.
         meta_bytes = sharded.serialize(meta)
 
+        step, branch = _step(checkpoint, final), self.branch
+
         def publish() -> None:
-            sharded.write_extras(partial, meta_bytes, layout)
+            sharded.write_extras(partial, meta_bytes, layout, step)
             files.publish(partial, final)
-            files.update_latest(final)
+            _log_notes(files.update_latest(final, branch, step))
             self._prune(final)
 
         if self.write == CheckpointWrite.ASYNC:
@@ -268,7 +287,7 @@ class StrategyCheckpoints:
 
     def _prune(self, final: Path) -> None:
         if self.keep_last_k is not None:
-            files.prune(final.parent, self.keep_last_k)
+            files.prune(final.parent, self.keep_last_k, branch=self.branch)
 
     def remove(self, filepath: Any) -> None:
         """ModelCheckpoint dropping an older checkpoint. While a newer one is still being written
@@ -279,7 +298,7 @@ class StrategyCheckpoints:
             return
         if self.strategy.is_global_zero and files.is_local(filepath):
             path = Path(filepath)
-            if path.is_symlink() or files.latest_checkpoint(path.parent) != path:
+            if path.is_symlink() or files.latest_checkpoint(path.parent, quiet=True) != path:
                 files.remove(path)
 
     # ------------------------------------------------------------------ load
@@ -295,8 +314,23 @@ class StrategyCheckpoints:
             # Restored when training starts: setting up the data draws from the generators first.
             # A rank beyond the writer's world size keeps its seed.
             self._rng_states = states[rank] if states and rank < len(states) else None
+            self._continue(meta.get(STAMP_KEY), path)
             return checkpoint
-        return full.load_file(self.strategy.checkpoint_io, path, weights_only)
+        if files.is_local(path) and Path(path).is_file():
+            problem = files.damage(Path(path))
+            if problem is not None:
+                raise CheckpointError(f"checkpoint {path} is damaged: {problem}. Resume from an earlier one.")
+        checkpoint = full.load_file(self.strategy.checkpoint_io, path, weights_only)
+        self._continue(checkpoint.get(STAMP_KEY) if isinstance(checkpoint, Mapping) else None, path)
+        return checkpoint
+
+    def _continue(self, stamp: Any, path: Any) -> None:
+        """Saves after this load continue the run that wrote ``path``, as its next start."""
+        self._branch = Branch.resumed_from(stamp, job=_job_id())
+        if self.strategy.is_global_zero:
+            from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+            rank_zero_info(f"[lightning_5d] resuming run {self._branch.run} (start {self._branch.resume}) from {path}")
 
     def load_model(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         s = self.strategy
@@ -466,6 +500,20 @@ class StrategyCheckpoints:
         error = self._first_problem(error)
         if error is not None:
             raise _failure(what, error)
+
+
+def _job_id() -> str | None:
+    return os.environ.get("SLURM_JOB_ID") or None
+
+
+def _step(checkpoint: Mapping[str, Any], filepath: Any) -> int:
+    step = checkpoint.get("global_step")
+    return int(step) if isinstance(step, int) else files._step_of(Path(str(filepath)))
+
+
+def _log_notes(notes: list[str]) -> None:
+    for note in notes:
+        log.warning("[lightning_5d] %s", note)
 
 
 def _failure(what: str, error: str) -> CheckpointError:

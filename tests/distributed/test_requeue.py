@@ -33,12 +33,13 @@ def fake_scontrol(tmp_path):
     return bin_dir, calls
 
 
-def run(tmp_path, name, dirpath, env, signal=None):
+def run(tmp_path, name, dirpath, env, signal=None, extra=(), send_at=SIGNAL_STEP):
     out = tmp_path / name
     out.mkdir(exist_ok=True)
-    args = ["--dirpath", str(dirpath), "--out", str(out), "--steps", str(STEPS), "--send-at-step", str(SIGNAL_STEP)]
+    args = ["--dirpath", str(dirpath), "--out", str(out), "--steps", str(STEPS), "--send-at-step", str(send_at)]
     if signal:
         args += ["--send-signal", signal]
+    args += list(extra)
     start = time.monotonic()
     run_distributed(SCRIPTS / "requeue_train.py", 2, args, timeout=240, env=env).check()  # exit code 0
     results = sorted(out.glob("result-*.json"), key=lambda p: p.stat().st_mtime)
@@ -94,3 +95,37 @@ def test_sigusr1_mid_epoch_saves_requeues_and_resumes_to_the_same_losses(tmp_pat
 @pytest.mark.timeout(600)
 def test_sigterm_mid_epoch_saves_requeues_and_resumes_to_the_same_losses(tmp_path):
     interrupted_and_resumed(tmp_path, "SIGTERM")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("signal", ["SIGUSR1", "SIGTERM"])
+def test_a_signal_before_fit_saves_at_the_first_step_and_requeues(tmp_path, signal):
+    bin_dir, calls = fake_scontrol(tmp_path)
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": JOB_ID}
+    dirpath = tmp_path / "requeue"
+    first, _ = run(tmp_path, "job", dirpath, env, signal=signal, extra=["--send-before-fit"])
+    assert first["received"] == [None, signal] and first["outcome"] == "requeued"
+    assert first["end_step"] == 1 and first["saved"] == str(dirpath / "requeue-step=1.ckpt")
+    assert calls.read_text().splitlines() == [f"requeue {JOB_ID}"]
+    second, _ = run(tmp_path, "job", dirpath, env)
+    assert second["resumed_from"] == first["saved"] and second["end_step"] == STEPS and second["outcome"] is None
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_fresh_run_in_a_shared_folder_is_requeued_into_its_own_checkpoint(tmp_path):
+    """job-local: an earlier run's requeue-step=7 is in the folder; a fresh run there is signalled
+    at step 3; the requeued job must continue the fresh run (requeue-step=4), not the old one."""
+    bin_dir, calls = fake_scontrol(tmp_path)
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": JOB_ID}
+    dirpath = tmp_path / "requeue"
+    earlier, _ = run(tmp_path, "earlier", dirpath, env, signal="SIGUSR1", send_at=6)
+    assert earlier["saved"] == str(dirpath / "requeue-step=7.ckpt")
+    fresh, _ = run(tmp_path, "fresh", dirpath, env, signal="SIGUSR1", extra=["--fresh"])
+    assert fresh["resumed_from"] is None and fresh["saved"] == str(dirpath / f"requeue-step={SIGNAL_STEP + 1}.ckpt")
+    requeued, _ = run(tmp_path, "fresh", dirpath, env)
+    assert requeued["resumed_from"] == fresh["saved"] and requeued["start_step"] == SIGNAL_STEP + 1
+    assert (dirpath / "requeue-step=7.ckpt").exists()  # the earlier run's: kept

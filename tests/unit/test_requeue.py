@@ -300,6 +300,68 @@ def test_requeue_config_and_job_setup(tmp_path, monkeypatch):
     (plugin,) = job_setup(on).plugins
     assert isinstance(plugin, SLURMEnvironment) and plugin.auto_requeue is False  # ours handles the signal
     assert job_setup(on, plugins=[TorchElasticEnvironment()]).plugins == []  # the worker's choice stays
+    setup.callback.flag.restore()
+    for other in (job_setup(on), job_setup(on, plugins=[TorchElasticEnvironment()])):
+        other.callback.flag.restore()
+
+
+# --------------------------------------------------------------------------- signals before fit
+
+
+def test_a_signal_before_fit_is_acted_on_at_the_first_step(tmp_path, fake_scontrol, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    before = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
+    requeue = AutoRequeue(tmp_path / "rq")
+    requeue.install()  # first thing in the script
+    os.kill(os.getpid(), signal.SIGTERM)  # during imports or setup: the default action would end the process
+    trainer = fit(tmp_path, requeue)
+    assert requeue.outcome == RequeueOutcome.REQUEUED and trainer.global_step == 1
+    assert requeue.saved.name == "requeue-step=1.ckpt" and fake_scontrol() == ["requeue 7"]
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_a_signal_during_the_checkpoint_restore_is_acted_on_after_it(tmp_path, fake_scontrol, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    saved = tmp_path / "step=3.ckpt"
+    fit(tmp_path, max_steps=3).save_checkpoint(saved)
+
+    class SignalInRestore(L.Callback):
+        def on_load_checkpoint(self, trainer, pl_module, checkpoint):
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    requeue = AutoRequeue(tmp_path / "rq")
+    requeue.install()
+    trainer = fit(tmp_path, SignalInRestore(), requeue, ckpt_path=saved)
+    assert requeue.outcome == RequeueOutcome.REQUEUED and trainer.global_step == 4
+    assert requeue.saved.name == "requeue-step=4.ckpt" and fake_scontrol() == ["requeue 7"]
+
+
+def test_the_workers_start_up_catcher_hands_its_signals_to_the_requeue_handler(tmp_path):
+    from lightning_5d import worker_boot
+
+    caught = []
+    original = signal.signal(signal.SIGUSR2, lambda n, f: caught.append(n))
+    try:
+        early = worker_boot.catch("SIGUSR1,SIGUSR2")
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert early[1] == [signal.SIGUSR1, signal.SIGUSR2] and caught == []  # recorded only
+        on = {"requeue": {"enabled": True, "dirpath": str(tmp_path), "signals": ["SIGUSR1"]}, "resume": "none"}
+        setup = job_setup(on, early=early)
+        flag = setup.callback.flag
+        assert flag.received == signal.SIGUSR1 and signal.getsignal(signal.SIGUSR1) is flag
+        # SIGUSR2 is not a requeue signal here: its own handler is back and got it after all.
+        assert caught == [signal.SIGUSR2]
+        flag.restore()
+        assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # what was there before the catcher
+        # Requeue off: every handler goes back, and a signal caught meanwhile is delivered again.
+        early = worker_boot.catch("SIGUSR2")
+        os.kill(os.getpid(), signal.SIGUSR2)
+        job_setup({"requeue": {"enabled": False, "dirpath": str(tmp_path)}, "resume": "none"}, early=early)
+        assert caught == [signal.SIGUSR2, signal.SIGUSR2]
+    finally:
+        signal.signal(signal.SIGUSR2, original)
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
 
 
 def test_after_fit_leaves_without_a_result_under_submitit(tmp_path, monkeypatch):

@@ -33,6 +33,8 @@ parser.add_argument("--zero", type=int, default=1)
 parser.add_argument("--send-signal", default=None, help="e.g. SIGUSR1 or SIGTERM; none: an uninterrupted run")
 parser.add_argument("--send-at-step", type=int, default=3)
 parser.add_argument("--send-on-rank", type=int, default=1)
+parser.add_argument("--send-before-fit", action="store_true", help="send it during start-up, before the Trainer exists")
+parser.add_argument("--fresh", action="store_true", help="start from scratch even if --dirpath holds checkpoints")
 args = parser.parse_args()
 
 
@@ -71,11 +73,15 @@ before_fit = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
 L.seed_everything(0)
 model = RecordingLM(config=TINY)
 requeue = AutoRequeue(args.dirpath)
+requeue.install()  # from here on a signal is remembered, also during setup and the checkpoint restore
 record = Record()
 callbacks = [record, requeue]
-if args.send_signal:
+if args.send_signal and args.send_before_fit:
+    if int(os.environ["RANK"]) == args.send_on_rank:
+        os.kill(os.getpid(), signal.Signals[args.send_signal])
+elif args.send_signal:
     callbacks.insert(0, SignalMidStep(signal.Signals[args.send_signal], args.send_at_step, args.send_on_rank))
-resume = AutoRequeue.resume_path(args.dirpath)
+resume = None if args.fresh else AutoRequeue.resume_path(args.dirpath)
 trainer = L.Trainer(
     accelerator="cpu",
     strategy=lightning_5d.FiveDStrategy(zero=args.zero),

@@ -185,13 +185,13 @@ def test_bad_input_exits_2_and_writes_nothing(tmp_path, capsys):
     before = sorted(p.name for p in tmp_path.iterdir())
     cases = [
         ((str(tmp_path / "missing.ckpt"), str(tmp_path / "o.pt")), "does not exist"),
-        ((str(folder), str(tmp_path / "o.pt")), "not a complete lightning_5d sharded checkpoint"),
+        ((str(folder), str(tmp_path / "o.pt")), "nor a folder of complete checkpoints"),
         ((str(garbage), str(tmp_path / "o.pt")), str(garbage)),
         ((str(ckpt), str(tmp_path / "o"), "--format", "hf"), "no Hugging Face model information"),
         ((str(ckpt), str(tmp_path / "o")), "cannot tell the format"),
         ((str(ckpt), str(tmp_path / "o.pt"), "--prefix", "nothing."), "no tensors under the prefix"),
         ((str(plain), str(tmp_path / "o.pt")), "not a Lightning checkpoint"),
-        ((str(ckpt), str(existing)), "exists; pass overwrite=True"),
+        ((str(ckpt), str(existing)), f"{existing} exists; pass --overwrite to replace it."),
         ((str(ckpt), str(tmp_path / "no" / "o.pt")), "does not exist"),
     ]
     for argv, message in cases:
@@ -230,3 +230,16 @@ def test_l5d_export_is_a_subcommand(tmp_path, capsys):
 def test_missing_checkpoint_is_a_checkpoint_error(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         export_checkpoint(tmp_path / "nope.ckpt", tmp_path / "x.pt")
+
+
+def test_a_folder_of_checkpoints_exports_the_one_latest_names(tmp_path, capsys):
+    from lightning_5d.checkpoint import files
+
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    first = write_sharded(Plain(), folder / "epoch=0-step=10.ckpt")
+    files.update_latest(first)
+    assert l5d_export(str(folder), str(tmp_path / "w.pt")) == 0
+    assert f"read {first}" in capsys.readouterr().out
+    with pytest.raises(FileExistsError, match="replace it with overwrite=True"):
+        export_checkpoint(folder, tmp_path / "w.pt")

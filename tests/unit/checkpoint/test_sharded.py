@@ -24,6 +24,11 @@ def checkpoint(tmp_path):
     return path
 
 
+def _unstamped(path):
+    """A COMPLETE marker as written before stamps: the deeper checks below are what is left then."""
+    (path / COMPLETE).write_text("ok\n")
+
+
 def _digest(path):
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
 
@@ -45,6 +50,9 @@ def test_metadata_that_would_run_code_is_refused_without_running_it(checkpoint, 
             return (os.system, (f"touch {witness}",))
 
     (checkpoint / ".metadata").write_bytes(pickle.dumps(Exploit()))
+    with pytest.raises(CheckpointError, match=r"damaged: .*\.metadata has"):  # the stamp sees the new file first
+        read_model_state(checkpoint)
+    _unstamped(checkpoint)
     before = _digest(checkpoint)
     with pytest.raises(CheckpointError, match="could not be read.*not allowed"):
         read_model_state(checkpoint)
@@ -56,13 +64,31 @@ def test_a_truncated_data_file_gets_a_clear_error(checkpoint):
     data = next(checkpoint.glob("*.distcp"))
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 3])
     before = _digest(checkpoint)
-    with pytest.raises(CheckpointError, match="missing or truncated"):
+    with pytest.raises(CheckpointError, match=f"damaged: {data}.* bytes, .* were written"):
         read_model_state(checkpoint)
-    assert _digest(checkpoint) == before
+    _unstamped(checkpoint)  # without stamps DCP's byte ranges still name the short file
+    with pytest.raises(CheckpointError, match=f"failed: {data} has .* bytes, the metadata says .* \\(truncated\\)"):
+        read_model_state(checkpoint)
+    assert {k: v for k, v in _digest(checkpoint).items() if k != COMPLETE} == {
+        k: v for k, v in before.items() if k != COMPLETE
+    }
+
+
+def test_a_data_file_copied_in_from_another_step_is_refused(checkpoint, tmp_path):
+    other = tmp_path / "step=1.ckpt"
+    other.mkdir()
+    tensors = {"model.w": torch.zeros(3, 4), "model.b": torch.zeros(4, dtype=torch.bfloat16)}  # same sizes
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(other)), no_dist=True)
+    data = next(checkpoint.glob("*.distcp"))
+    assert (other / data.name).stat().st_size == data.stat().st_size
+    data.write_bytes((other / data.name).read_bytes())
+    with pytest.raises(CheckpointError, match=f"damaged: {data} differs from the file written at save"):
+        read_model_state(checkpoint)
 
 
 def test_corrupt_metadata_gets_a_clear_error(checkpoint):
     (checkpoint / ".metadata").write_bytes(b"\x00not a pickle")
+    _unstamped(checkpoint)
     with pytest.raises(CheckpointError, match="corrupt"):
         read_model_state(checkpoint)
 
@@ -85,6 +111,7 @@ class Custom:
 
 def test_meta_is_read_without_pickled_code(checkpoint):
     torch.save({"hyper_parameters": Custom()}, checkpoint / sharded.META)
+    _unstamped(checkpoint)
     with pytest.raises(CheckpointError, match="add_safe_globals"):
         sharded.read_meta(checkpoint)
 

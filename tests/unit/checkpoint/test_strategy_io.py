@@ -48,3 +48,12 @@ def test_a_failed_background_publish_is_raised_by_wait(tmp_path):
     checkpoints.remove(tmp_path / "step=2.ckpt")
     with pytest.raises(CheckpointError, match="asynchronous checkpoint save failed: OSError: disk full"):
         checkpoints.wait()
+
+
+def test_a_load_continues_the_run_stored_in_the_checkpoint_and_a_fresh_start_draws_a_new_one():
+    first, other = _checkpoints(), _checkpoints()
+    assert first.branch.run != other.branch.run  # two starts without a checkpoint: two runs
+    resumed = _checkpoints()
+    resumed._continue(first.branch.stamp(4), "step=4.ckpt")
+    assert resumed.branch.run == first.branch.run and resumed.branch.resume == 1
+    assert resumed.branch.parent == {"branch": first.branch.id, "step": 4}
