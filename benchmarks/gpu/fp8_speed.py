@@ -149,8 +149,8 @@ def markdown(r: dict[str, Any], sizes: Sizes, card: Card) -> list[str]:
                      target, verdict(v["met"]["speedup"]), f"{v['loss']:.4f}", pct(v["loss_rel"], 2),
                      verdict(v["met"]["loss"]), size(v["peak_allocated_bytes"])])  # fmt: skip
     lines = [
-        f"Same model and batches as part 1; one `Trainer(strategy=FiveDStrategy())` fit per run, "
-        f"{sizes.warmup} warm-up + {sizes.fp8_steps} timed steps; {len(r['passes'])} passes over the variants, "
+        f"Same model and data as part 1; one `Trainer(strategy=FiveDStrategy())` fit per run, each from the same "
+        f"seed (same weights, same batches); {sizes.warmup} warm-up + {sizes.fp8_steps} timed steps; {len(r['passes'])} passes over the variants, "
         f"order rotating; speed-up = tokens/s over bf16's in the same pass, median. Loss: mean of the last "
         f"{sizes.loss_window} of {sizes.warmup + sizes.fp8_steps} steps, first pass; target within "
         f"{TARGET_LOSS_REL:.0%} of bf16.",

@@ -88,6 +88,7 @@ def run_suite(
     started = time.perf_counter()
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     device = choose_device(dry)
+    threads = torch.get_num_threads()
     if device.type == "cpu":
         # The dry run checks code paths, not speed; on a shared CPU, OpenMP threads spin-waiting for a
         # core cost more than they give (tens of ms per tiny FP8 GEMM against a fraction of one).
@@ -121,6 +122,7 @@ def run_suite(
             result["elapsed_s"] = time.perf_counter() - started
             write(result, out, sizes, card)
     finally:
+        torch.set_num_threads(threads)
         if owns_group and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()  # the Trainers made it; a caller that had none gets none back
     return result

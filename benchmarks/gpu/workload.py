@@ -124,8 +124,8 @@ def write_hf_config(sizes: Sizes, folder: Path) -> Path:
 
 
 def planner_estimate(sizes: Sizes):
-    """The planner's view of one rank training this model: dp 1 (no ZeRO engine runs without peers,
-    whatever stage the config names, so ZeRO-0 is what runs), bf16, flash attention."""
+    """The planner's view of one rank training this model, for its parameter count and model FLOPs
+    (which no ZeRO stage changes): dp 1, bf16, flash attention."""
     from lightning_5d.estimate import estimate, spec_from_hf_config
 
     spec = spec_from_hf_config(hf_config(sizes), name=f"llama-{sizes.mode}")

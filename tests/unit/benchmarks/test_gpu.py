@@ -82,6 +82,21 @@ def test_merge_adds_the_section(dry_run, tmp_path):
     assert "## gpu" in (tmp_path / "RESULTS.md").read_text()
 
 
+def test_a_failing_part_records_its_error_and_the_next_runs(monkeypatch, tmp_path):
+    def broken(ctx):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    title, _, render = suite.PARTS["overhead"]
+    monkeypatch.setitem(suite.PARTS, "overhead", (title, broken, render))
+    sizes = suite.DRY.replace(attention_lengths=(16,))
+    result = suite.run_suite(tmp_path, dry=True, command="test", only=("overhead", "attention"), sizes=sizes)
+    assert result["parts"]["overhead"]["error"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert len(result["parts"]["attention"]["rows"]) == 4 and "error" not in result["parts"]["attention"]
+    md = (tmp_path / "gpu.md").read_text()
+    assert "**Failed**" in md and "| L | block |" in md
+    assert "part 2. FP8 (torch-native backend) vs bf16: not asked for (--only)" in md
+
+
 @pytest.mark.parametrize(
     "name, tflops",
     [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
