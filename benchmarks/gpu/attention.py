@@ -98,6 +98,8 @@ def measure_kernel(kernel: Callable, length: int, causal: bool, heads: int, kv_h
         peak = peak_allocated(device)
     except torch.OutOfMemoryError as err:  # the caller frees what this call held once it has returned
         return {"out_of_memory": str(err).splitlines()[0]}
+    except Exception as err:  # one kernel's failure at one length leaves the other cells to run
+        return {"error": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
     return {"forward_s": fwd, "forward_backward_s": fwd_bwd,
             "peak_extra_bytes": None if peak is None else peak - base}  # fmt: skip
 
@@ -135,9 +137,9 @@ def markdown(r: dict[str, Any], sizes: Sizes, card: Card) -> list[str]:
             sdpa, ring = _cell(r["rows"], length, block, "sdpa"), _cell(r["rows"], length, block, "ring_block")
 
             def show(c: dict, key: str, fmt: Callable) -> str:
-                return "OOM" if "out_of_memory" in c else fmt(c[key])
+                return "OOM" if "out_of_memory" in c else "failed" if "error" in c else fmt(c[key])
 
-            both = "out_of_memory" not in sdpa and "out_of_memory" not in ring
+            both = all("out_of_memory" not in c and "error" not in c for c in (sdpa, ring))
             ratio = f"{ring['forward_backward_s'] / sdpa['forward_backward_s']:.2f}" if both else "n/a"
             out_rows.append([f"{length:,}", block, show(sdpa, "forward_s", ms), show(ring, "forward_s", ms),
                              show(sdpa, "forward_backward_s", ms), show(ring, "forward_backward_s", ms), ratio,
@@ -152,6 +154,9 @@ def markdown(r: dict[str, Any], sizes: Sizes, card: Card) -> list[str]:
         *table(["L", "block", "SDPA fwd", "ring fwd", "SDPA fwd+bwd", "ring fwd+bwd", "ring / SDPA", "SDPA memory",
                 "ring memory"], out_rows),  # fmt: skip
     ]
+    failures = [f"L={c['length']} {c['block']} {c['kernel']}: `{c['error']}`" for c in r["rows"] if "error" in c]
+    if failures:
+        lines += ["", "Failed: " + "; ".join(failures) + "."]
     if r["not_run_at_budget"]:
         lines += ["", f"Lengths not run (part's time budget): {', '.join(str(n) for n in r['not_run_at_budget'])}."]
     return lines

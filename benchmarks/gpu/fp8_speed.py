@@ -92,17 +92,26 @@ def measure(ctx: PartContext) -> dict[str, Any]:
     variants = [BF16, *recipes]
     passes: list[dict[str, dict]] = []
     not_run: list[str] = []
+    failed: dict[str, str] = {}  # a recipe that fails once is not tried again; the others still run
     longest = 0.0
     for p in range(sizes.fp8_rounds):
         shift = p % len(variants)
         done: dict[str, dict] = {}
         for variant in variants[shift:] + variants[:shift]:
+            if variant in failed:
+                continue
             if passes and not ctx.deadline.allows(longest):  # the first pass always runs whole
                 not_run.append(f"pass {p + 1}: {variant}")
                 continue
-            done[variant] = run_once(variant, sizes, device)
+            try:
+                done[variant] = run_once(variant, sizes, device)
+            except Exception as err:  # e.g. out of memory, or a kernel this torch lacks for one recipe
+                failed[variant] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                continue
             longest = max(longest, done[variant]["wall_s"])
         passes.append(done)
+    if BF16 in failed:
+        raise RuntimeError(f"the bf16 baseline failed, nothing to compare with: {failed[BF16]}")
     first = passes[0]
     window = sizes.loss_window
     bf16_loss = statistics.fmean(first[BF16]["losses"][-window:])
@@ -110,6 +119,9 @@ def measure(ctx: PartContext) -> dict[str, Any]:
                            "bf16_tokens_per_s": statistics.median(p[BF16]["tokens_per_s"] for p in passes if BF16 in p),
                            "bf16_loss": bf16_loss, "recipes": {}}  # fmt: skip
     for recipe in recipes:
+        if recipe in failed:
+            out["recipes"][recipe] = {"error": failed[recipe]}
+            continue
         paired = [p[recipe]["tokens_per_s"] / p[BF16]["tokens_per_s"] for p in passes if recipe in p and BF16 in p]
         loss = statistics.fmean(first[recipe]["losses"][-window:])
         loss_rel = abs(loss - bf16_loss) / abs(bf16_loss)
@@ -143,6 +155,9 @@ def markdown(r: dict[str, Any], sizes: Sizes, card: Card) -> list[str]:
     rows = [["bf16 mixed", f"{r['bf16_tokens_per_s']:,.0f}", "1.000", "", "", f"{r['bf16_loss']:.4f}", "", "",
              size(r["passes"][0][BF16]["peak_allocated_bytes"])]]  # fmt: skip
     for recipe, v in r["recipes"].items():
+        if "error" in v:
+            rows.append([f"fp8 {recipe}", f"failed: `{v['error']}`", *[""] * 7])
+            continue
         emulated = f" (emulated: {len(v['scaled_mm_refused'])} refused)" if v["scaled_mm_refused"] else ""
         target = f"≥ {TARGET_SPEEDUP}" if recipe in TARGETED else "none set"
         rows.append([f"fp8 {recipe}, {v['backend']}{emulated}", f"{v['tokens_per_s']:,.0f}", f"{v['speedup']:.3f}",
@@ -150,8 +165,8 @@ def markdown(r: dict[str, Any], sizes: Sizes, card: Card) -> list[str]:
                      verdict(v["met"]["loss"]), size(v["peak_allocated_bytes"])])  # fmt: skip
     lines = [
         f"Same model and data as part 1; one `Trainer(strategy=FiveDStrategy())` fit per run, each from the same "
-        f"seed (same weights, same batches); {sizes.warmup} warm-up + {sizes.fp8_steps} timed steps; {len(r['passes'])} passes over the variants, "
-        f"order rotating; speed-up = tokens/s over bf16's in the same pass, median. Loss: mean of the last "
+        f"seed (same weights, same batches); {sizes.warmup} warm-up + {sizes.fp8_steps} timed steps; "
+        f"{len(r['passes'])} passes over the variants, order rotating; speed-up = tokens/s over bf16's in the same pass, median. Loss: mean of the last "
         f"{sizes.loss_window} of {sizes.warmup + sizes.fp8_steps} steps, first pass; target within "
         f"{TARGET_LOSS_REL:.0%} of bf16.",
         "",
@@ -159,7 +174,7 @@ def markdown(r: dict[str, Any], sizes: Sizes, card: Card) -> list[str]:
     ]
     if r["not_run_at_budget"]:
         lines += ["", f"Not run (part's time budget): {', '.join(r['not_run_at_budget'])}."]
-    refused = sorted({k for v in r["recipes"].values() for k in v["scaled_mm_refused"]})
+    refused = sorted({k for v in r["recipes"].values() for k in v.get("scaled_mm_refused", ())})
     if refused:
         lines += ["", "`torch._scaled_mm` refused (those GEMMs were emulated): " + "; ".join(f"`{k}`" for k in refused)]
     return lines

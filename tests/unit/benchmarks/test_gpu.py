@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.gpu import suite, wheels
+from benchmarks.gpu import fp8_speed, suite, wheels
 from benchmarks.gpu.__main__ import build_parser, merge
-from benchmarks.gpu.hardware import detect_card, peak_for_name
+from benchmarks.gpu.hardware import Deadline, detect_card, peak_for_name
+from benchmarks.gpu.part import PartContext
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -95,6 +96,35 @@ def test_a_failing_part_records_its_error_and_the_next_runs(monkeypatch, tmp_pat
     md = (tmp_path / "gpu.md").read_text()
     assert "**Failed**" in md and "| L | block |" in md
     assert "part 2. FP8 (torch-native backend) vs bf16: not asked for (--only)" in md
+
+
+def test_fp8_speedup_pairs_each_pass_and_a_failed_recipe_leaves_the_others(monkeypatch, tmp_path):
+    speeds = {"bf16": [100.0, 50.0], "tensorwise": [140.0, 65.0], "delayed": [90.0, 45.0]}  # pass 2: a slower card
+    calls: list[str] = []
+
+    def fake_run(variant, sizes, device):
+        calls.append(variant)
+        if variant == "rowwise":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        loss = 2.0 if variant == "bf16" else 2.03
+        tps = speeds[variant][sum(1 for c in calls if c == variant) - 1]
+        return {"tokens_per_s": tps, "losses": [3.0, loss], "peak_allocated_bytes": None,
+                "backend": None if variant == "bf16" else "torch", "fp8_linears": 7, "scaled_mm_refused": [],
+                "wall_s": 0.0}  # fmt: skip
+
+    monkeypatch.setattr(fp8_speed, "run_once", fake_run)
+    sizes = suite.DRY.replace(fp8_rounds=2)
+    recipes = ("tensorwise", "rowwise", "delayed")
+    ctx = PartContext(sizes, detect_card(torch.device("cpu")), Deadline(60), tmp_path, recipes)
+    r = fp8_speed.measure(ctx)
+    assert calls.count("rowwise") == 1  # not tried again in the second pass
+    assert r["recipes"]["rowwise"] == {"error": "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"}
+    tensorwise, delayed = r["recipes"]["tensorwise"], r["recipes"]["delayed"]
+    assert tensorwise["speedup"] == pytest.approx(1.35)  # median of 1.4 and 1.3, each against its own pass
+    assert tensorwise["met"] == {"speedup": True, "loss": False}  # 1.5 % above bf16's loss
+    assert delayed["speedup"] == pytest.approx(0.9) and delayed["met"]["speedup"] is None  # no target set
+    md = "\n".join(fp8_speed.markdown(r, sizes, ctx.card))
+    assert "failed: `OutOfMemoryError" in md and "| fp8 tensorwise, torch | 102 | 1.350 | ≥ 1.3 | met |" in md
 
 
 @pytest.mark.parametrize(
