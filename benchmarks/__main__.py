@@ -24,7 +24,8 @@ from benchmarks import (
     pipeline_bubble,
     precision_recipes,
 )
-from benchmarks.gpu import bench_1b
+from benchmarks.common import results_section
+from benchmarks.gpu import suite as gpu_suite
 
 # In the order RESULTS.md shows them.
 BENCHMARKS = {
@@ -35,7 +36,7 @@ BENCHMARKS = {
     "context_parallel_scaling": context_parallel_scaling,
     "precision_recipes": precision_recipes,
     "checkpoint_save": checkpoint_save,
-    "gpu_1b": bench_1b,
+    "gpu": gpu_suite,
 }
 HERE = Path(__file__).parent
 
@@ -46,7 +47,7 @@ HOW_TO_RUN = """\
 python -m benchmarks run --quick                          # every benchmark, fewer repeats/steps (CPU, < 15 min)
 python -m benchmarks run                                  # the full run (more repeats and timed steps)
 python -m benchmarks run --only comm_vs_theory            # one section; the others are kept from results.json
-python -m benchmarks.gpu.bench_1b [--peak-tflops 989]     # the ~1B single-GPU benchmark, on a CUDA machine
+python -m benchmarks.gpu run --out DIR                    # the one-GPU suite (benchmarks/README.md: prepare, run)
 ```
 
 Each run rewrites this file and `results.json` (every raw number, per rank and per repeat).
@@ -75,11 +76,7 @@ def render(results: dict) -> str:
         HOW_TO_RUN,
     ]
     for name in [n for n in BENCHMARKS if n in results] + sorted(set(results) - set(BENCHMARKS)):
-        result = results[name]
-        meta = [f"- command: `{result['command']}`", f"- machine: {result['machine']}", f"- date: {result['date']}"]
-        if "elapsed_s" in result:
-            meta.append(f"- wall time: {result['elapsed_s']:.0f} s; load average at start: {result['load_average']}")
-        sections += [f"## {name}", "", *meta, "", result["markdown"], ""]
+        sections += results_section(name, results[name])
     return "\n".join(sections)
 
 

@@ -69,3 +69,11 @@ def pending_note(dim: str) -> str:
 
 def fmt_bytes(n: float) -> str:
     return f"{n:,.0f}"
+
+
+def results_section(name: str, result: dict) -> list[str]:
+    """One benchmark's section of RESULTS.md: heading, command, machine, date, wall time, its markdown."""
+    meta = [f"- command: `{result['command']}`", f"- machine: {result['machine']}", f"- date: {result['date']}"]
+    if "elapsed_s" in result:
+        meta.append(f"- wall time: {result['elapsed_s']:.0f} s; load average at start: {result['load_average']}")
+    return [f"## {name}", "", *meta, "", result["markdown"], ""]
