@@ -11,18 +11,49 @@ GEMM operand pair (E4M3: 3 mantissa bits); per step the loss moves by ~0.2 % aga
 import pytest
 
 from reference import reference_run
-from tests_support import relative, run_layout
+from tests_support import LayoutRuns, relative, run_layout, selected_cases
 
 RECIPES = ["tensorwise", "delayed", "rowwise", "blockwise", "mxfp8"]
 STEP_RTOL = 0.01
 FINAL_RTOL = 0.02
 
 
+def composed_runs(test_name: str, nproc: int, zero: int, recipe: str, extra: tuple) -> dict:
+    """The FP8 run and its bf16-mixed twin (the same layout, FP8 all-gather off) of one composition."""
+    bf16_extra = tuple(a for a in extra if a != "--fp8-all-gather")
+    key = (test_name, nproc, zero, recipe, extra)
+    return {
+        (*key, "fp8"): (nproc, dict(zero=zero, steps=5, precision=f"fp8-{recipe}", extra=extra)),
+        (*key, "bf16"): (nproc, dict(zero=zero, steps=5, precision="bf16-mixed", extra=bf16_extra)),
+    }
+
+
+def layout_case(test_name: str, params: dict):
+    """The train_llama.py runs each test reads, keyed by test and parameters."""
+    if test_name == "test_bf16_mixed_tracks_fp32":
+        return (test_name, params["zero"]), (2, dict(zero=params["zero"], steps=5, precision="bf16-mixed", clip=0.5))
+    if test_name == "test_fp32_accumulation_tracks_fp32":
+        options = dict(zero=params["zero"], accumulate=2, steps=4, precision="bf16-mixed", clip=0.5,
+                       extra=("--accumulation-dtype", "fp32"))  # fmt: skip
+        return (test_name, params["zero"]), (2, options)
+    if test_name.startswith("test_fp8_composes_with_each_dim"):
+        return composed_runs(test_name, *(params[k] for k in ("nproc", "zero", "recipe", "extra")))
+    if test_name == "test_numerics_guard_logs_the_bf16_loss_difference":
+        return (test_name,), (2, dict(zero=1, steps=5, precision="fp8-blockwise", extra=("--numerics-every", "2")))
+    return None
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    """Every selected case of this module's batched tests, trained in one launch per process count."""
+    return LayoutRuns(tmp_path_factory.mktemp("precision"), selected_cases(request, layout_case))
+
+
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)  # the first case of a process count trains its whole batch
 @pytest.mark.parametrize("zero", [pytest.param(0, marks=pytest.mark.slow), 1, pytest.param(3, marks=pytest.mark.slow)])
-def test_bf16_mixed_tracks_fp32(tmp_path, zero):
-    result, _ = run_layout(tmp_path, 2, zero, steps=5, precision="bf16-mixed", clip=0.5)
+def test_bf16_mixed_tracks_fp32(runs, zero):
+    result, _ = runs[("test_bf16_mixed_tracks_fp32", zero)]
     ref_losses, _ = reference_run(5, 2, 1, 0.5)
     rel = relative(result["losses"], ref_losses)
     print(f"bf16-mixed zero={zero}: max per-step loss difference to fp32 {rel:.3%}")
@@ -30,11 +61,10 @@ def test_bf16_mixed_tracks_fp32(tmp_path, zero):
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("zero", [pytest.param(0, marks=pytest.mark.slow), 1, 3])
-def test_fp32_accumulation_tracks_fp32(tmp_path, zero):
-    extra = ("--accumulation-dtype", "fp32")
-    result, _ = run_layout(tmp_path, 2, zero, accumulate=2, steps=4, precision="bf16-mixed", clip=0.5, extra=extra)
+def test_fp32_accumulation_tracks_fp32(runs, zero):
+    result, _ = runs[("test_fp32_accumulation_tracks_fp32", zero)]
     ref_losses, _ = reference_run(4, 2, 2, 0.5)
     assert relative(result["losses"], ref_losses) < STEP_RTOL
 
@@ -94,36 +124,33 @@ COMPOSED_FULL = [
 ]
 
 
-def check_composed(tmp_path, nproc, zero, recipe, extra):
-    (tmp_path / "fp8").mkdir()
-    (tmp_path / "bf16").mkdir()
-    fp8, _ = run_layout(tmp_path / "fp8", nproc, zero, steps=5, precision=f"fp8-{recipe}", extra=extra)
-    bf16_extra = tuple(a for a in extra if a != "--fp8-all-gather")
-    bf16, _ = run_layout(tmp_path / "bf16", nproc, zero, steps=5, precision="bf16-mixed", extra=bf16_extra)
+def check_composed(runs, test_name, nproc, zero, recipe, extra):
+    fp8, _ = runs[(test_name, nproc, zero, recipe, extra, "fp8")]
+    bf16, _ = runs[(test_name, nproc, zero, recipe, extra, "bf16")]
     rel = relative(fp8["losses"], bf16["losses"])
     print(f"fp8-{recipe} {' '.join(extra)} (zero={zero}): max per-step loss difference to bf16 {rel:.3%}")
     assert rel < STEP_RTOL, (fp8["losses"], bf16["losses"])
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("nproc, zero, recipe, extra", COMPOSED_FAST)
-def test_fp8_composes_with_each_dim(tmp_path, nproc, zero, recipe, extra):
-    check_composed(tmp_path, nproc, zero, recipe, extra)
+def test_fp8_composes_with_each_dim(runs, nproc, zero, recipe, extra):
+    check_composed(runs, "test_fp8_composes_with_each_dim", nproc, zero, recipe, extra)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("nproc, zero, recipe, extra", COMPOSED_FULL)
-def test_fp8_composes_with_each_dim_full(tmp_path, nproc, zero, recipe, extra):
-    check_composed(tmp_path, nproc, zero, recipe, extra)
+def test_fp8_composes_with_each_dim_full(runs, nproc, zero, recipe, extra):
+    check_composed(runs, "test_fp8_composes_with_each_dim_full", nproc, zero, recipe, extra)
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
-def test_numerics_guard_logs_the_bf16_loss_difference(tmp_path):
-    result, _ = run_layout(tmp_path, 2, 1, steps=5, precision="fp8-blockwise", extra=("--numerics-every", "2"))
+@pytest.mark.timeout(900)
+def test_numerics_guard_logs_the_bf16_loss_difference(runs):
+    result, _ = runs[("test_numerics_guard_logs_the_bf16_loss_difference",)]
     logged = result["model_state_bytes"][0]["fp8_loss_rel_diff"]
     # The check ran the step's forward again with FP8 off: training_step ran at steps 0, 2, 4 twice
     # (bf16 first), so the recording model saw 8 losses; each pair is (bf16, fp8) of one step.

@@ -110,15 +110,17 @@ def selected_cases(request, case_of) -> dict:
     """``{key: (nproc, options)}`` for the selected tests of the requesting module.
 
     ``case_of(test_name, params)`` returns ``(key, (nproc, options))`` for a test that trains
-    through :class:`LayoutRuns`, or None. Reading the session's selected items keeps a batch to
+    through :class:`LayoutRuns` (a dict of them for a test that reads several runs), or None. Reading the session's selected items keeps a batch to
     what this pytest run asked for: a fast-tier run does not train the slow cases.
     """
     cases = {}
     for item in request.session.items:
-        if getattr(item, "module", None) is request.module and hasattr(item, "callspec"):
-            found = case_of(item.originalname, item.callspec.params)
-            if found is not None:
-                cases[found[0]] = found[1]
+        if getattr(item, "module", None) is request.module:
+            callspec = getattr(item, "callspec", None)
+            found = case_of(item.originalname, callspec.params if callspec else {})
+            if isinstance(found, tuple):
+                found = dict([found])
+            cases.update(found or {})
     return cases
 
 
