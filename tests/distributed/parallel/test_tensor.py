@@ -16,7 +16,7 @@ import torch
 from hf_support import hf_reference_run
 from lightning_5d.testing import run_distributed
 from reference import reference_run
-from tests_support import SCRIPTS, assert_equivalent, run_layout
+from tests_support import SCRIPTS, LayoutRuns, assert_equivalent, selected_cases
 
 STEPS = 5
 
@@ -41,28 +41,41 @@ REFERENCE_FULL = [
 REF_PARAMS = "nproc,tp,sp,zero,model,accumulate,clip,extra"
 
 
-def check_reference(tmp_path, nproc, tp, sp, zero, model, accumulate, clip, extra):
-    result, params = run_layout(
-        tmp_path, nproc, zero, accumulate=accumulate, clip=clip, steps=STEPS, tp=tp, sp=sp, model=model, extra=extra
-    )
+def layout_case(test_name: str, params: dict):
+    if not test_name.startswith("test_reference_model_matches_single_process"):
+        return None
+    key = tuple(params[name] for name in REF_PARAMS.split(","))
+    nproc, tp, sp, zero, model, accumulate, clip, extra = key
+    options = dict(zero=zero, accumulate=accumulate, clip=clip, steps=STEPS, tp=tp, sp=sp, model=model, extra=extra)
+    return key, (nproc, options)
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    """Every selected reference-model case of this module, trained in one launch per process count."""
+    return LayoutRuns(tmp_path_factory.mktemp("tensor"), selected_cases(request, layout_case))
+
+
+def check_reference(runs, nproc, tp, sp, zero, model, accumulate, clip, extra):
+    result, params = runs[(nproc, tp, sp, zero, model, accumulate, clip, extra)]
     assert result["layout"]["tp"] == tp and result["layout"]["sp"] == sp
     ref_losses, ref_params = reference_run(STEPS, nproc // tp, accumulate, clip, model=model)
     assert_equivalent(result["losses"], params, ref_losses, ref_params)
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)  # the first case of a process count trains its whole batch
 @pytest.mark.parametrize(REF_PARAMS, REFERENCE_FAST)
-def test_reference_model_matches_single_process(tmp_path, nproc, tp, sp, zero, model, accumulate, clip, extra):
-    check_reference(tmp_path, nproc, tp, sp, zero, model, accumulate, clip, extra)
+def test_reference_model_matches_single_process(runs, nproc, tp, sp, zero, model, accumulate, clip, extra):
+    check_reference(runs, nproc, tp, sp, zero, model, accumulate, clip, extra)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize(REF_PARAMS, REFERENCE_FULL)
-def test_reference_model_matches_single_process_full(tmp_path, nproc, tp, sp, zero, model, accumulate, clip, extra):
-    check_reference(tmp_path, nproc, tp, sp, zero, model, accumulate, clip, extra)
+def test_reference_model_matches_single_process_full(runs, nproc, tp, sp, zero, model, accumulate, clip, extra):
+    check_reference(runs, nproc, tp, sp, zero, model, accumulate, clip, extra)
 
 
 # (model, nproc, tp, sp, zero): Hugging Face models, unchanged, in a 10-line LightningModule
