@@ -15,7 +15,7 @@ import torch
 from hf_support import hf_reference_run
 from lightning_5d.testing import run_distributed
 from reference import reference_run
-from tests_support import LOSS_RTOL, SCRIPTS, assert_equivalent, run_layout
+from tests_support import LOSS_RTOL, SCRIPTS, LayoutRuns, assert_equivalent, run_layout, selected_cases
 
 STEPS = 5
 BATCH = 8  # per data rank: enough for dualpipev's m >= 2p at pp=4
@@ -28,20 +28,53 @@ def pipeline_args(pp: int, schedule: str, microbatches: int) -> list[str]:
             "--microbatches", str(microbatches), "--batch-size", str(BATCH)]  # fmt: skip
 
 
-def check_reference(tmp_path, nproc, pp, schedule, microbatches, tp=1, sp=False, accumulate=1, clip=None, cp=1, zero=1):
-    result, params = run_layout(
-        tmp_path,
-        nproc,
-        zero=zero,
-        accumulate=accumulate,
-        clip=clip,
-        steps=STEPS,
-        tp=tp,
-        sp=sp,
-        cp=cp,
-        model="tiny_deep",
-        extra=pipeline_args(pp, schedule, microbatches),
-    )
+def spec(nproc, pp, schedule, microbatches, tp=1, sp=False, accumulate=1, clip=None, cp=1, zero=1) -> tuple:
+    """One pipeline case, as a hashable key of its settings."""
+    return (nproc, pp, schedule, microbatches, tp, sp, accumulate, clip, cp, zero)
+
+
+# Each reference test's case, from its parameters: all of them train through one launch per process count.
+SPECS = {
+    "test_schedule_matches_single_process": lambda p: spec(2, 2, p["schedule"], 4),
+    "test_schedule_matches_single_process_pp2_full": lambda p: spec(2, 2, p["schedule"], 4),
+    "test_schedule_matches_single_process_pp4": lambda p: spec(4, 4, p["schedule"], 8),
+    # pp=2 x dp_shard=2 (ZeRO-1), two pipeline runs per optimizer step, global-norm clipping
+    "test_pipeline_with_data_parallel_accumulation_and_clipping": lambda p: spec(4, 2, "1f1b", 4, accumulate=2, clip=0.5),
+    "test_pipeline_with_tensor_parallel": lambda p: spec(4, 2, "interleaved_1f1b", 4, tp=2, sp=True),
+    # FSDP2 units hold their gradients for a pipeline run and reduce-scatter once after it; a window of 2
+    # Lightning batches adds the second run's sharded gradients to the first's.
+    "test_pipeline_with_zero3_accumulation_and_clipping": lambda p: spec(
+        4, 2, "interleaved_1f1b", 4, accumulate=2, clip=0.5, zero=3
+    ),
+    # pp=4: the middle stages hold blocks only; one FSDP root must still own their units.
+    "test_pipeline_with_zero3_middle_stages": lambda p: spec(8, 4, "1f1b", 8, zero=3),
+    # each microbatch is a slice of this rank's sequence shard; ring attention inside every stage
+    "test_pipeline_with_context_parallel": lambda p: spec(4, 2, "1f1b", 4, cp=2),
+}
+
+
+def layout_case(test_name: str, params: dict):
+    if test_name not in SPECS:
+        return None
+    key = SPECS[test_name](params)
+    nproc, pp, schedule, microbatches, tp, sp, accumulate, clip, cp, zero = key
+    options = dict(zero=zero, accumulate=accumulate, clip=clip, steps=STEPS, tp=tp, sp=sp, cp=cp, model="tiny_deep",
+                   extra=pipeline_args(pp, schedule, microbatches))  # fmt: skip
+    return key, (nproc, options)
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    """Every selected reference case of this module, trained in one launch per process count."""
+    return LayoutRuns(tmp_path_factory.mktemp("pipeline"), selected_cases(request, layout_case))
+
+
+def check_reference(runs, request) -> list:
+    """The test's case against one process; returns each rank's record."""
+    callspec = getattr(request.node, "callspec", None)
+    key = SPECS[request.node.originalname](callspec.params if callspec else {})
+    nproc, pp, schedule, microbatches, tp, sp, accumulate, clip, cp, zero = key
+    result, params = runs[key]
     assert (result["layout"]["pp"], result["layout"]["tp"], result["layout"]["cp"]) == (pp, tp, cp)
     data_ranks = nproc // (pp * tp * cp)
     ref_losses, ref_params = reference_run(STEPS, data_ranks, accumulate, clip, model="tiny_deep", batch_size=BATCH)
@@ -58,26 +91,26 @@ def check_reference(tmp_path, nproc, pp, schedule, microbatches, tp=1, sp=False,
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)  # the first case of a process count trains its whole batch
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
-def test_schedule_matches_single_process(tmp_path, schedule):
-    check_reference(tmp_path, 2, 2, schedule, microbatches=4)
+def test_schedule_matches_single_process(runs, request, schedule):
+    check_reference(runs, request)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("schedule", ["afab", "zero_bubble", "zbv", "dualpipev"])
-def test_schedule_matches_single_process_pp2_full(tmp_path, schedule):
-    check_reference(tmp_path, 2, 2, schedule, microbatches=4)
+def test_schedule_matches_single_process_pp2_full(runs, request, schedule):
+    check_reference(runs, request)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_schedule_matches_single_process_pp4(tmp_path, schedule):
-    ranks = check_reference(tmp_path, 4, 4, schedule, microbatches=8)
+def test_schedule_matches_single_process_pp4(runs, request, schedule):
+    ranks = check_reference(runs, request)
     # Activations in flight on the first stage (rank 0, stage 0): 1F1B starts the backward of
     # microbatch 0 after p forwards; AFAB runs all m forwards first.
     peak = ranks[0]["peak_in_flight"]["0"]
@@ -88,41 +121,36 @@ def test_schedule_matches_single_process_pp4(tmp_path, schedule):
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
-def test_pipeline_with_data_parallel_accumulation_and_clipping(tmp_path):
-    # pp=2 x dp_shard=2 (ZeRO-1), two pipeline runs per optimizer step, global-norm clipping
-    check_reference(tmp_path, 4, 2, "1f1b", microbatches=4, accumulate=2, clip=0.5)
+@pytest.mark.timeout(900)
+def test_pipeline_with_data_parallel_accumulation_and_clipping(runs, request):
+    check_reference(runs, request)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_pipeline_with_tensor_parallel(tmp_path):
-    check_reference(tmp_path, 4, 2, "interleaved_1f1b", microbatches=4, tp=2, sp=True)
+@pytest.mark.timeout(900)
+def test_pipeline_with_tensor_parallel(runs, request):
+    check_reference(runs, request)
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
-def test_pipeline_with_zero3_accumulation_and_clipping(tmp_path):
-    # FSDP2 units hold their gradients for a pipeline run and reduce-scatter once after it; a window of 2
-    # Lightning batches adds the second run's sharded gradients to the first's.
-    check_reference(tmp_path, 4, 2, "interleaved_1f1b", microbatches=4, accumulate=2, clip=0.5, zero=3)
+@pytest.mark.timeout(900)
+def test_pipeline_with_zero3_accumulation_and_clipping(runs, request):
+    check_reference(runs, request)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_pipeline_with_zero3_middle_stages(tmp_path):
-    # pp=4: the middle stages hold blocks only; one FSDP root must still own their units.
-    check_reference(tmp_path, 8, 4, "1f1b", microbatches=8, zero=3)
+@pytest.mark.timeout(900)
+def test_pipeline_with_zero3_middle_stages(runs, request):
+    check_reference(runs, request)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_pipeline_with_context_parallel(tmp_path):
-    # each microbatch is a slice of this rank's sequence shard; ring attention inside every stage
-    check_reference(tmp_path, 4, 2, "1f1b", microbatches=4, cp=2)
+@pytest.mark.timeout(900)
+def test_pipeline_with_context_parallel(runs, request):
+    check_reference(runs, request)
 
 
 @pytest.mark.distributed
