@@ -13,7 +13,11 @@ if [ "${#carried[@]}" -eq 0 ]; then
   echo "no wheels in $wheels: run 'python -m benchmarks.gpu prepare' before, and carry $wheels" >&2
   exit 2
 fi
-python -m pip install --no-index --find-links "$wheels" --no-deps "${carried[@]}" >"$out/install.log" 2>&1 || {
+# By name==version, not by file: the folder holds pydantic-core once per CPython 3.10-3.13, and pip
+# picks the one this interpreter matches (installing the files themselves would fail on the other three).
+mapfile -t wanted < <(for w in "${carried[@]}"; do base="${w##*/}"; IFS=- read -r name version _ <<<"$base";
+  echo "$name==$version"; done | sort -u)
+python -m pip install --no-index --find-links "$wheels" --no-deps "${wanted[@]}" >"$out/install.log" 2>&1 || {
   tail -20 "$out/install.log" >&2; exit 2; }
 # The project itself; the suite imports it from this tree either way (python -m runs in the repo root).
 python -m pip install --no-index --no-deps --no-build-isolation -e . >>"$out/install.log" 2>&1 ||

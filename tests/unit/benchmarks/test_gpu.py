@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -164,11 +166,56 @@ def test_every_dependency_is_in_the_image_or_carried():
     assert names <= covered, names - covered
 
 
-def test_check_wheels_wants_every_carried_one_pure(tmp_path):
+def test_carried_ones_need_nothing_the_device_lacks():
+    """Each carried distribution's requirements (as installed here, extras off) are carried or in the image;
+    what the image brings indirectly is required by one of its packages."""
+    from packaging.requirements import Requirement
+
+    covered = {wheels.normalize(n) for n in (*wheels.IMAGE_HAS, *wheels.IMAGE_BRINGS, *wheels.CARRIED)}
+    needed = set()
     for name in wheels.CARRIED:
-        (tmp_path / f"{name.replace('-', '_')}-1.0-py3-none-any.whl").write_bytes(b"")
-    assert [wheels.wheel_name(w) for w in wheels.check_wheels(tmp_path)] == list(wheels.CARRIED)
+        for line in importlib.metadata.requires(name) or []:
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                needed.add(wheels.normalize(req.name))
+    assert {"pydantic-core", "typing-extensions", "pyyaml"} <= needed  # the walk saw pydantic's and omegaconf's
+    assert needed <= covered, needed - covered
+    image_needs = {wheels.normalize(Requirement(r).name) for r in importlib.metadata.requires("lightning")}
+    assert {wheels.normalize(n) for n in wheels.IMAGE_BRINGS} <= image_needs
+
+
+def _fake_wheels(folder: Path) -> None:
+    for name in wheels.CARRIED:
+        if name in wheels.BINARY:
+            for v in wheels.PYTHONS:
+                tag = wheels.cpython_tag(v)
+                (folder / f"{name.replace('-', '_')}-2.0-{tag}-{tag}-manylinux2014_x86_64.manylinux_2_17_x86_64.whl"
+                 ).write_bytes(b"")  # fmt: skip
+        else:
+            (folder / f"{name.replace('-', '_')}-1.0-py3-none-any.whl").write_bytes(b"")
+
+
+def test_check_wheels_wants_every_carried_one_and_each_python_of_the_compiled(tmp_path):
+    _fake_wheels(tmp_path)
+    made = wheels.check_wheels(tmp_path)
+    assert len(made) == len(wheels.CARRIED) - len(wheels.BINARY) + len(wheels.BINARY) * len(wheels.PYTHONS)
+    assert list(dict.fromkeys(wheels.wheel_name(w) for w in made)) == [wheels.normalize(n) for n in wheels.CARRIED]
     (tmp_path / "omegaconf-1.0-py3-none-any.whl").unlink()
-    (tmp_path / "numpy-2.0-cp311-cp311-linux_x86_64.whl").write_bytes(b"")
-    with pytest.raises(wheels.PrepareError, match=r"missing wheels \['omegaconf'\].*numpy-2.0-cp311"):
+    next(tmp_path.glob("pydantic_core-*-cp312-*.whl")).unlink()
+    with pytest.raises(wheels.PrepareError, match=r"missing wheels \['omegaconf', 'pydantic-core \(CPython 3.12\)'\]"):
+        wheels.check_wheels(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "refused",
+    ["numpy-2.0-cp311-cp311-manylinux_2_17_x86_64.whl",  # compiled, not one we carry
+     "pydantic_core-2.0-cp313-cp313t-manylinux_2_17_x86_64.whl",  # free-threaded
+     "pydantic_core-2.0-cp39-cp39-manylinux_2_17_x86_64.whl",  # a CPython outside PYTHONS
+     "pydantic_core-2.0-cp312-cp312-musllinux_1_1_x86_64.whl",
+     "pydantic_core-2.0-cp312-cp312-manylinux_2_17_aarch64.manylinux2014_aarch64.whl"],
+)  # fmt: skip
+def test_check_wheels_refuses_other_compiled_wheels(tmp_path, refused):
+    _fake_wheels(tmp_path)
+    (tmp_path / refused).write_bytes(b"")
+    with pytest.raises(wheels.PrepareError, match=r"missing wheels \[\], .*" + re.escape(refused)):
         wheels.check_wheels(tmp_path)
