@@ -19,12 +19,11 @@ Wall times on this machine print with the result (pytest -s); the issue note rec
 """
 
 import functools
-import time
 
 import pytest
 
 from reference import reference_run
-from tests_support import assert_equivalent, parameter_vector_error, relative, run_layout
+from tests_support import LayoutRuns, assert_equivalent, parameter_vector_error, relative, selected_cases
 
 STEPS = 5
 BATCH = 8  # per data rank; pp cuts it into 4 microbatches of 2
@@ -49,52 +48,68 @@ def reference(model: str):
     return reference_run(STEPS, DATA_RANKS, model=model, batch_size=BATCH)
 
 
-def train(tmp_path, nproc, zero, model, dims, precision="32-true"):
+def options(zero, model, dims, precision="32-true", nproc=16) -> dict:
     # One process draws alone what the data ranks draw together (the sampler's same permutation).
     batch = BATCH if nproc > 1 else BATCH * DATA_RANKS
-    extra = [*dims, "--ac", "full", "--batch-size", str(batch)]
-    start = time.monotonic()
-    result, params = run_layout(
-        tmp_path, nproc, zero, steps=STEPS, precision=precision, model=model, extra=extra, timeout=TIMEOUT
-    )
-    return result, params, time.monotonic() - start
+    extra = (*dims, "--ac", "full", "--batch-size", str(batch))
+    return dict(zero=zero, steps=STEPS, precision=precision, model=model, extra=extra)
 
 
-def check_fp32(tmp_path, name, nproc, zero, model, dims):
-    result, params, wall = train(tmp_path, nproc, zero, model, dims)
+FP32 = {**FP32_FAST, **FP32_FULL}
+
+
+def layout_case(test_name: str, params: dict):
+    if test_name.startswith("test_five_d_matches_single_process"):
+        nproc, zero, model, dims = FP32[params["name"]]
+        return (params["name"],), (nproc, options(zero, model, tuple(dims)))
+    if test_name == "test_five_d_mixed_precision_tracks_single_process":
+        precision = params["precision"]
+        return {
+            ("5d", precision): (16, options(1, "tiny_deep", tuple(DENSE + INTERLEAVED), precision)),
+            ("one", precision): (1, options(0, "tiny_deep", (), precision, nproc=1)),
+        }
+    return None
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    """The selected cases, one launch per process count: 16 interpreters start once for all 5D runs."""
+    return LayoutRuns(tmp_path_factory.mktemp("five_d"), selected_cases(request, layout_case), timeout_per_case=240)
+
+
+def check_fp32(runs, name, nproc, zero, model, dims):
+    result, params = runs[(name,)]
     layout = result["layout"]
     wanted = {"dp_shard": DATA_RANKS, "tp": 2, "cp": 2, "pp": 1 + ("--pp" in dims), "ep": 1 + ("--ep" in dims)}
     assert {k: layout[k] for k in wanted} == wanted, layout
     ref_losses, ref_params = reference(model)
     error = parameter_vector_error(params, ref_params)
-    print(f"5D {name}: {nproc} processes, {wall:.0f} s; parameter error {error:.1e}, layout {layout}")
+    print(f"5D {name}: {nproc} processes; parameter error {error:.1e}, layout {layout}")
     assert_equivalent(result["losses"], params, ref_losses, ref_params)
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(TIMEOUT + 60)
 @pytest.mark.parametrize("name", list(FP32_FAST))
-def test_five_d_matches_single_process(tmp_path, name):
-    check_fp32(tmp_path, name, *FP32_FAST[name])
+def test_five_d_matches_single_process(runs, name):
+    check_fp32(runs, name, *FP32_FAST[name])
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.timeout(TIMEOUT + 60)
+@pytest.mark.timeout(1500)  # the first 16-process case trains the whole batch
 @pytest.mark.parametrize("name", list(FP32_FULL))
-def test_five_d_matches_single_process_full(tmp_path, name):
-    check_fp32(tmp_path, name, *FP32_FULL[name])
+def test_five_d_matches_single_process_full(runs, name):
+    check_fp32(runs, name, *FP32_FULL[name])
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.timeout(2 * TIMEOUT)
+@pytest.mark.timeout(1500)
 @pytest.mark.parametrize("precision", ["bf16-mixed", "fp8-tensorwise"])
-def test_five_d_mixed_precision_tracks_single_process(tmp_path, precision):
-    (tmp_path / "5d").mkdir()
-    (tmp_path / "one").mkdir()
-    five_d, _, wall = train(tmp_path / "5d", 16, 1, "tiny_deep", DENSE + INTERLEAVED, precision)
-    one, _, _ = train(tmp_path / "one", 1, 0, "tiny_deep", [], precision)
+def test_five_d_mixed_precision_tracks_single_process(runs, precision):
+    five_d, _ = runs[("5d", precision)]
+    one, _ = runs[("one", precision)]
     rel = relative(five_d["losses"], one["losses"])
-    print(f"5D {precision}: 16 processes, {wall:.0f} s; max per-step loss difference to one process {rel:.3%}")
+    print(f"5D {precision}: 16 processes; max per-step loss difference to one process {rel:.3%}")
     assert rel < STEP_RTOL, (five_d["losses"], one["losses"])

@@ -46,7 +46,7 @@ def _source_of(test: str) -> str:
     return (Path(__file__).parent / test.split("::")[0]).read_text()
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.distributed
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("recipe", [r for r in CPU_RECIPES if r not in TRAINED_ELSEWHERE])

@@ -191,7 +191,7 @@ def test_hugging_face_llama_matches_single_process(tmp_path):
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("pp", [2, 4])
 @pytest.mark.parametrize("schedule", SCHEDULES)

@@ -109,7 +109,7 @@ def test_hugging_face_model_matches_single_process(tmp_path, name, nproc, tp, sp
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(HF_PARAMS, HF_FULL)
 def test_hugging_face_model_matches_single_process_full(tmp_path, name, nproc, tp, sp, zero):
