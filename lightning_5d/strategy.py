@@ -46,6 +46,13 @@ from lightning_5d.config import (
     ineffective_settings,
     validate_early,
 )
+from lightning_5d.layout_rules import (
+    Combination,
+    ep_sequence_parallel,
+    fp32_accumulation_pp,
+    fp8_all_gather_zero,
+    hsdp_zero3_cp,
+)
 from lightning_5d.mesh import ParallelMesh
 from lightning_5d.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_5d.parallel.context import ContextParallel, ContextParallelError
@@ -62,7 +69,7 @@ from lightning_5d.parallel.vocab import loss_parallel_region
 from lightning_5d.parallel.zero_set import ZeroSet
 from lightning_5d.plan import describe, discover
 from lightning_5d.process_exit import leave_together_at_exit, mark_failed
-from lightning_5d.plan.blocks import find_blocks, require_blocks
+from lightning_5d.plan.blocks import ModelMappingError, find_blocks, require_blocks
 from lightning_5d.precision import FiveDPrecision, PrecisionError
 
 
@@ -367,16 +374,15 @@ class FiveDStrategy(ParallelStrategy):
             precision.cast_parameters(module)  # ZeRO-3 keeps fp32 shards: FSDP2 casts per all-gather
         broadcast_module(module, self.mesh)
         tp, cp, pp, ep = self.mesh.size("tp"), self.mesh.size("cp"), self.mesh.size("pp"), self.layout.ep
+        combination = self._combination(precision)
         if precision is not None:
-            self._check_precision_supported(precision, pp, ep)
+            self._check_precision_supported(precision, combination)
         if pp > 1:
-            schedule = PipelineSchedule(self.config.pipeline.schedule)
-            check_pipeline_supported(module, self.config.zero, schedule, self._grad_scaler)
-        if ep > 1 and self.config.sequence_parallel:
-            raise ExpertParallelError(
-                "ep > 1 with sequence_parallel=true is not supported yet (each tp rank would route a different "
-                "sequence shard); use sequence_parallel=false with ep, or ep=1."
-            )
+            check_pipeline_supported(module, combination)
+        for rule, error in ((ep_sequence_parallel, ExpertParallelError), (hsdp_zero3_cp, ModelMappingError)):
+            why = rule(combination)  # refused before any dimension changes the module
+            if why is not None:
+                raise error(why)
         # Capacity and load balancing need our dispatch even when every expert is local.
         experts_wanted = ep > 1 or self.config.expert.wants_dispatch
         wanted = max(tp, cp, pp) > 1 or experts_wanted or fp8
@@ -587,12 +593,26 @@ class FiveDStrategy(ParallelStrategy):
                 f"precision='32-true'."
             )
 
-    def _check_precision_supported(self, precision: FiveDPrecision, pp: int, ep: int) -> None:
-        if precision.fp32_accumulation and pp > 1:
-            raise PrecisionError(
-                "accumulation_dtype='fp32' with pp > 1: the pipeline schedule sums its microbatches' gradients "
-                "itself (in bf16); use accumulation_dtype='bf16' with pp, or pp=1."
-            )
+    def _combination(self, precision: FiveDPrecision | None) -> Combination:
+        """The resolved layout and the options ``layout_rules`` reads (shared with the planner)."""
+        pipe = self.config.pipeline
+        return Combination(
+            self.layout,
+            zero=self.config.zero,
+            sequence_parallel=self.config.sequence_parallel,
+            schedule=PipelineSchedule(pipe.schedule),
+            virtual_stages=pipe.virtual_stages,
+            microbatches=pipe.microbatches,
+            fp32_accumulation=precision is not None and precision.fp32_accumulation,
+            loss_scaling=self._grad_scaler is not None,
+            fp8_all_gather=precision is not None and precision.fp8 is not None and precision.fp8.fp8_all_gather,
+        )
+
+    def _check_precision_supported(self, precision: FiveDPrecision, combination: Combination) -> None:
+        why = fp32_accumulation_pp(combination) or fp8_all_gather_zero(combination)
+        if why is not None:
+            raise PrecisionError(why)
+        pp, ep = combination.layout.pp, combination.layout.ep
         experts = ep > 1 or self.config.expert.wants_dispatch
         if precision.guard.every and (pp > 1 or experts):
             raise PrecisionError(
@@ -600,11 +620,6 @@ class FiveDStrategy(ParallelStrategy):
                 f"forward a second time, which a pipeline schedule does not allow and which would count the "
                 f"expert load twice; set numerics_check_every=0 there, or check on a pp=1 layout without "
                 f"expert dispatch."
-            )
-        if precision.fp8 is not None and precision.fp8.fp8_all_gather and self.config.zero != ZeroStage.PARAMETERS:
-            raise PrecisionError(
-                f"fp8_all_gather=true all-gathers ZeRO-3 parameters; zero={int(self.config.zero)} never all-gathers "
-                f"parameters before the forward. Use zero=3, or fp8_all_gather=false."
             )
 
     def _check_experts_supported(self) -> None:

@@ -82,13 +82,36 @@ def _positive_int(cfg: DictConfig, key: str) -> int:
     return value
 
 
-def validate(cfg: DictConfig):
+def layout_combination(cfg: DictConfig, parallel, layout):
+    """The layout-only rules' input from the composed config (precision options as l5d train passes them)."""
+    from lightning_5d.layout_rules import Combination
+
+    options = cfg.get("precision_options")
+    options = OmegaConf.to_container(options, resolve=True) if options else {}
+    fp8 = options.get("fp8") or {}
+    pipe = parallel.pipeline
+    return Combination(
+        layout,
+        zero=parallel.zero,
+        sequence_parallel=parallel.sequence_parallel,
+        schedule=pipe.schedule,
+        virtual_stages=pipe.virtual_stages,
+        microbatches=pipe.microbatches,
+        fp32_accumulation=options.get("accumulation_dtype") == "fp32",
+        loss_scaling=str(cfg.get("precision", "")) in ("16-mixed", "16"),
+        fp8_all_gather=str(cfg.get("precision", "")).startswith("fp8") and bool(fp8.get("fp8_all_gather")),
+    )
+
+
+def validate(cfg: DictConfig, refuse_combinations: bool = True):
     """Resolve the parallel layout against ``devices * num_nodes``; raise on any problem.
 
     Runs in the Hydra job before anything is launched. Returns the
-    :class:`~lightning_5d.config.Layout`.
+    :class:`~lightning_5d.config.Layout`. ``refuse_combinations=False`` leaves the
+    ``layout_rules`` refusals to the caller (``l5d estimate --recipe`` lists them as problems).
     """
     from lightning_5d.config import LayoutError, ParallelConfig, validate_early
+    from lightning_5d.layout_rules import refusal
 
     devices = _positive_int(cfg, "devices")
     num_nodes = _positive_int(cfg, "num_nodes")
@@ -105,12 +128,10 @@ def validate(cfg: DictConfig):
         if layout.tp > 1:
             _check_tensor_parallel(model_config, parallel, layout.tp)
         _check_experts(model_config, layout, parallel.expert)
-    if layout.ep > 1 and parallel.sequence_parallel:
-        # The strategy refuses this at setup too; here it fails before any worker starts.
-        raise LayoutError(
-            "parallel.ep > 1 with parallel.sequence_parallel=true is not supported yet (each tp rank would route a "
-            "different sequence shard); set parallel.sequence_parallel=false with ep, or parallel.ep=1."
-        )
+    # The strategy refuses these at setup too (same rules); here they fail before any worker starts.
+    refused = refusal(layout_combination(cfg, parallel, layout)) if refuse_combinations else None
+    if refused is not None:
+        raise LayoutError(f"parallel: {refused[1]}")
     if layout.pp > 1:
         _check_pipeline(cfg, parallel, layout.pp)
     if layout.cp > 1 and "data" in cfg and "seq_len" in cfg.data:

@@ -10,13 +10,15 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections import Counter
 from typing import Any
 
 from lightning_5d.config import ActivationCheckpointing, LayoutError, PipelineSchedule
+from lightning_5d.layout_rules import Rule
 
 from .estimator import estimate
 from .report import estimate_json, format_estimate, format_plan, plan_json
-from .search import ALL_DIMS, plan
+from .search import ALL_DIMS, plan, refused_text
 from .spec import PRESETS, ModelSpecError, load_spec
 from .timing import Cluster
 from .training import AttentionKernel, Precision, StateAccounting, TrainingSetup
@@ -262,6 +264,7 @@ def run_plan(args: argparse.Namespace) -> int:
         peak_flops=peak,
         compute_efficiency=args.efficiency,
     )
+    refused: Counter[Rule] = Counter()
     try:
         spec = load_spec(args.model)
         seq_len = _seq_len(args, spec)
@@ -278,10 +281,13 @@ def run_plan(args: argparse.Namespace) -> int:
             fp32_grad_accumulation=args.fp32_grad_accum,
             allow_cross_node_tp=args.allow_cross_node_tp,
             top=args.top or None,
+            refused=refused,
         )
     except (LayoutError, ModelSpecError, OSError, ValueError) as err:
         return _fail("plan", err)
     print(plan_json(entries) if args.json else format_plan(entries))
+    # stderr under --json, so the output stays one JSON document
+    print(refused_text(refused), file=sys.stderr if args.json else sys.stdout)
     if args.plot:
         from .plot import plot_plan
 

@@ -38,7 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_5d.config import SPLIT_BACKWARD, PipelineSchedule, ZeroStage
+from lightning_5d.config import ParallelConfig, PipelineSchedule
+from lightning_5d.layout_rules import refusal
 
 from .estimator import Estimate, estimate
 from .flops import training_flops
@@ -295,7 +296,7 @@ def check_recipe(cfg: Any, recipe: str | None = None, validate: bool = True, **c
     if validate:
         from lightning_5d.train import validate as validate_job
 
-        layout = validate_job(cfg)
+        layout = validate_job(cfg, refuse_combinations=False)
     recipe = recipe or _choice(cfg, "recipe")
     spec = spec_from_recipe(cfg, name=_choice(cfg, "model") or (recipe and f"{recipe}.model"))
     setup = setup_from_recipe(cfg, layout)
@@ -315,11 +316,12 @@ def check_recipe(cfg: Any, recipe: str | None = None, validate: bool = True, **c
                 f"most loaded stage's {max(blocks)}, so memory is an upper bound and the step is the slowest "
                 f"stage's; MFU counts the real {spec.num_layers} layers' FLOPs"
             )
-    if setup.pp > 1 and setup.zero == ZeroStage.PARAMETERS and setup.schedule in SPLIT_BACKWARD:
-        problems.append(
-            f"zero=3 with schedule={setup.schedule.value}: the runtime refuses it (FSDP2 does not follow a split "
-            f"backward); use 1f1b, interleaved_1f1b or afab with zero=3"
-        )
+    from lightning_5d.train import layout_combination
+
+    parallel = ParallelConfig.from_mapping(_plain(cfg.parallel))
+    refused = refusal(layout_combination(cfg, parallel, layout or setup.layout))
+    if refused is not None:  # the rules FiveDStrategy raises from (lightning_5d.layout_rules)
+        problems.append(f"the runtime refuses this layout: {refused[1]}")
     if spec.is_moe:
         notes.append("MoE: even expert load assumed (no routing imbalance, no dropped tokens), aux loss not counted")
         if setup.tp > 1:

@@ -1,7 +1,9 @@
 """Find the best layout for a cluster: the playbook's "how to find the best training configuration", executable.
 
 1. Enumerate layouts the model allows (heads % tp, kv heads vs tp, layers % pp*v, experts % ep,
-   seq % 2cp), tp kept inside a node, every global-batch split into dp x micro-batch x microbatches.
+   seq % 2cp), tp kept inside a node, every global-batch split into dp x micro-batch x microbatches;
+   drop those the runtime refuses for the layout alone (``lightning_5d.layout_rules``, the rules
+   FiveDStrategy raises from), counting them per rule.
 2. For each, take the cheapest activation recomputation that fits in memory (none, then
    selective, then full) - recomputation only ever costs time.
 3. Rank what fits by predicted time per token (= step time for a fixed global batch), then
@@ -11,12 +13,14 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import product
 from typing import Any
 
 from lightning_5d.config import ActivationCheckpointing, LayoutError, PipelineSchedule, ZeroStage
+from lightning_5d.layout_rules import Combination, Rule, refusal
 
 from .comm import Link, group_link
 from .estimator import Estimate, estimate
@@ -141,8 +145,12 @@ def enumerate_setups(
     precision: Precision | str = Precision.BF16,
     fp32_grad_accumulation: bool = False,
     recompute: ActivationCheckpointing | str = ActivationCheckpointing.NONE,
+    refused: Counter[Rule] | None = None,
 ) -> Iterator[TrainingSetup]:
-    """Every buildable layout of ``gpus`` ranks (with ``recompute`` as given; plan() varies it)."""
+    """Every buildable layout of ``gpus`` ranks (with ``recompute`` as given; plan() varies it).
+
+    Layouts the runtime refuses (``layout_rules.refusal``) are not yielded; ``refused``, when
+    given, counts them per rule."""
     dims = _normalize_dims(available_dims)
     stages = sorted({ZeroStage(z) for z in zero_stages})
     # tp's per-layer collectives sit on the critical path: keep them on NVLink unless told otherwise.
@@ -165,11 +173,40 @@ def enumerate_setups(
                 continue
             m, ga = batch
             for ep in (e for e in _divisors(experts) if (dp_shard * cp) % e == 0):
-                yield TrainingSetup(
+                setup = TrainingSetup(
                     dp_replicate=dp_rep, dp_shard=dp_shard, tp=tp, cp=cp, pp=pp, ep=ep, zero=zero,
+                    # SP with tp (Megatron's default), except where ep > 1 runs without it.
+                    sequence_parallel=tp > 1 and ep == 1,
                     schedule=schedule, virtual_stages=v, microbatches=m, micro_batch_size=mbs,
                     grad_accum=ga, **fixed,
                 )  # fmt: skip
+                found = refusal(combination(setup))
+                if found is None:
+                    yield setup
+                elif refused is not None:
+                    refused[found[0]] += 1
+
+
+def combination(setup: TrainingSetup) -> Combination:
+    """What ``layout_rules`` reads from a planner candidate (the planner never scales the loss or
+    gathers FP8 weights, so those stay off)."""
+    return Combination(
+        setup.layout,
+        zero=setup.zero,
+        sequence_parallel=setup.sp,
+        schedule=setup.schedule,
+        virtual_stages=setup.v,
+        microbatches=setup.m if setup.pp > 1 else None,
+        fp32_accumulation=setup.fp32_grad_accumulation,
+    )
+
+
+def refused_text(refused: Counter[Rule]) -> str:
+    """One line: how many candidates the runtime's layout rules removed, and which rules."""
+    if not refused:
+        return "skipped 0 candidate layouts the runtime refuses"
+    parts = ", ".join(f"{n} {rule.value}" for rule, n in refused.most_common())
+    return f"skipped {sum(refused.values())} candidate layouts the runtime refuses ({parts})"
 
 
 def _batch_split(
@@ -245,11 +282,13 @@ def plan(
     allow_cross_node_tp: bool = False,
     top: int | None = None,
     include_unfit: bool = False,
+    refused: Counter[Rule] | None = None,
 ) -> list[PlanEntry]:
     """Ranked layouts for ``cluster`` (fastest first). ``global_batch`` is in sequences.
 
     Raises ``NoLayoutFitsError`` (naming the smallest layout found) when nothing fits,
-    unless ``include_unfit`` asks for the ranked unfit layouts instead.
+    unless ``include_unfit`` asks for the ranked unfit layouts instead. ``refused``, when given,
+    counts the candidates skipped because the runtime would refuse them, per rule.
     """
     spec = load_spec(model)
     cluster = cluster or Cluster()
@@ -268,6 +307,7 @@ def plan(
         allow_cross_node_tp=allow_cross_node_tp,
         precision=precision,
         fp32_grad_accumulation=fp32_grad_accumulation,
+        refused=refused,
     ):
         smallest = None
         for mode in modes:

@@ -237,11 +237,13 @@ def _divisors(n: int) -> list[int]:
 
 
 def valid_tp(spec: ModelSpec) -> list[int]:
-    """t must divide the query heads, and the kv heads must split evenly or be replicated."""
+    """t must divide the query heads, the kv heads, the MLP width and the vocabulary, as the
+    runtime's ``validate_tensor_parallel`` demands (it gives each rank whole kv heads and a
+    vocabulary shard; it never replicates kv heads)."""
     return [
         t
         for t in _divisors(spec.num_heads)
-        if (spec.kv_heads % t == 0 or t % spec.kv_heads == 0) and spec.intermediate_size % t == 0
+        if spec.kv_heads % t == 0 and spec.intermediate_size % t == 0 and spec.vocab_size % t == 0
     ]
 
 
@@ -267,10 +269,15 @@ def validate(spec: ModelSpec, setup: TrainingSetup, gpus: int | None = None) -> 
             f"tp={t} does not divide num_heads={spec.num_heads} (each rank needs whole heads); "
             f"valid tp: {valid_tp(spec)}."
         )
-    if spec.kv_heads % t and t % spec.kv_heads:
+    if spec.kv_heads % t:
         raise LayoutError(
-            f"tp={t} neither divides num_kv_heads={spec.kv_heads} nor is a multiple of it (kv heads can only be "
-            f"split or replicated evenly); valid tp: {valid_tp(spec)}."
+            f"tp={t} does not divide num_kv_heads={spec.kv_heads} (the runtime gives each tp rank whole kv heads "
+            f"and does not replicate them); valid tp: {valid_tp(spec)}."
+        )
+    if spec.vocab_size % t:
+        raise LayoutError(
+            f"tp={t} does not divide vocab_size={spec.vocab_size} (the runtime shards the vocabulary over tp); "
+            f"valid tp: {valid_tp(spec)}."
         )
     if spec.intermediate_size % t or (spec.is_moe and spec.expert_width % t):
         raise LayoutError(

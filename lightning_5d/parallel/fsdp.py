@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from lightning_5d.config import ZeroStage
+from lightning_5d.layout_rules import Combination, hsdp_zero3_cp
 from lightning_5d.mesh import ParallelMesh
 from lightning_5d.plan.blocks import ModelMappingError
 
@@ -27,7 +29,8 @@ def fsdp_mesh(mesh: ParallelMesh):
 
 
 def _hsdp_with_cp(mesh: ParallelMesh):
-    raise ModelMappingError("HSDP (dp_replicate > 1) with ZeRO-3 and cp > 1 is not available yet; use cp=1.")
+    # Only reached under ZeRO-3; the strategy refuses the layout earlier through the same rule.
+    raise ModelMappingError(hsdp_zero3_cp(Combination(mesh.layout, zero=ZeroStage.PARAMETERS)))
 
 
 def apply_fsdp(

@@ -14,30 +14,25 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from lightning_5d.config import SPLIT_BACKWARD, PipelineSchedule, ZeroStage
+from lightning_5d.layout_rules import Combination, loss_scaling_pp, zero3_split_backward
 from lightning_5d.parallel.pipeline import PipelineMode, PipelineParallel
 from lightning_5d.parallel.pipeline_batch import PipelineError, apply_logs
 from lightning_5d.parallel.pipeline_fsdp import drop_held_gradients, hold_gradients, reduce_held_gradients
 
 
-def check_pipeline_supported(module: nn.Module, zero: ZeroStage, schedule: PipelineSchedule, grad_scaler: Any) -> None:
-    if grad_scaler is not None:
-        raise PipelineError(
-            "precision='16-mixed' scales the loss with a GradScaler, but under pp > 1 the pipeline schedule runs "
-            "the backward, so the scale would be undone on unscaled gradients. Use precision='bf16-mixed' or "
-            "'32-true' with pp."
-        )
+def check_pipeline_supported(module: nn.Module, combination: Combination) -> None:
+    """Refuse what the pipeline loop cannot run; layout-only rules come from ``layout_rules``."""
+    why = loss_scaling_pp(combination)
+    if why is not None:
+        raise PipelineError(why)
     if not module.automatic_optimization:
         raise PipelineError(
             "pp > 1 needs automatic optimization: the pipeline schedule runs every microbatch's backward, so "
             "a training_step that calls manual_backward cannot run under it. Use pp=1 for this module."
         )
-    if zero == ZeroStage.PARAMETERS and schedule in SPLIT_BACKWARD:
-        raise PipelineError(
-            f"zero=3 with pipeline.schedule={schedule.value}: the schedule computes weight gradients apart from "
-            f"input gradients, which FSDP2's gradient hooks do not follow. Use schedule=1f1b, interleaved_1f1b or "
-            f"afab with zero=3, or zero=1/2 with {schedule.value}."
-        )
+    why = zero3_split_backward(combination)
+    if why is not None:
+        raise PipelineError(why)
 
 
 class PipelineLoop:

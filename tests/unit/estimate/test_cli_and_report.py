@@ -83,7 +83,7 @@ def test_estimate_reads_a_config_json(tmp_path, l5d):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        ("estimate --model l5d-tiny --tp 16", "valid tp: [1, 2, 4, 8]"),
+        ("estimate --model l5d-tiny --tp 16", "valid tp: [1, 2, 4]"),
         ("estimate --model l5d-tiny --dp 12 --tp 8 --gpus 64", "dp*tp*pp*cp = 96 != gpus 64"),
         ("estimate --model no-such-model", "presets:"),
         ("plan --model llama3-70b --gpus 8 --dims dp", "fits in 80.0 GiB"),
