@@ -396,6 +396,9 @@ def ring_attention(
     is added under ``"forward_units"`` / ``"backward_units"``. Returns ``[b, hq, s_local, d]``.
     """
     mode = ContextParallelMode(mode.value if isinstance(mode, Enum) else mode)
+    if mode not in (ContextParallelMode.RING, ContextParallelMode.ALL_GATHER):
+        raise ValueError(f"ring_attention runs mode ring or allgather, got {mode.value!r}; for alltoall call "
+                         f"lightning_5d.parallel.ulysses_attention.alltoall_attention")  # fmt: skip
     zigzag = SequenceSharding(sharding.value if isinstance(sharding, Enum) else sharding) is SequenceSharding.ZIGZAG
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"expected [b, heads, s_local, d] tensors, got q {tuple(q.shape)}, k {tuple(k.shape)}")
