@@ -47,6 +47,7 @@ oracle in :mod:`lightning_5d.parallel.attention_reference`.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -256,9 +257,12 @@ class _RingShift:
         return recv, dist.batch_isend_irecv(ops)
 
     @staticmethod
-    def wait(works: list) -> None:
+    def wait(works: list) -> float:
+        """Block until the transfers are done; returns the seconds spent waiting (overlap left over)."""
+        start = time.perf_counter()
         for w in works:
             w.wait()
+        return time.perf_counter() - start
 
 
 def _all_gather_kv(kv: Tensor, group: Any, size: int) -> Tensor:
@@ -277,9 +281,9 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _record(stats: dict | None, key: str, units: int) -> None:
+def _record(stats: dict | None, key: str, amount: float) -> None:
     if stats is not None:
-        stats[key] = stats.get(key, 0) + units
+        stats[key] = stats.get(key, 0) + amount
 
 
 class _RingAttention(torch.autograd.Function):
@@ -306,6 +310,7 @@ class _RingAttention(torch.autograd.Function):
         else:
             shift = _RingShift(group, rank, size)
             current = kv.contiguous()
+            waited = 0.0
             for step in range(size):
                 if step + 1 < size:  # the next block travels while this one is computed
                     incoming, works = shift.start(current)
@@ -313,8 +318,9 @@ class _RingAttention(torch.autograd.Function):
                 products = block_schedule(rank, src, size, causal, zigzag)
                 units += _apply_products((out, lse), q, current, scale, products)
                 if step + 1 < size:
-                    shift.wait(works)
+                    waited += shift.wait(works)
                     current = incoming
+            _record(stats, "forward_recv_wait_s", waited)
         _record(stats, "forward_units", units)
         out = out.to(q.dtype)
         lse = lse.to(torch.promote_types(lse.dtype, torch.float32)).contiguous()
@@ -350,6 +356,7 @@ class _RingAttention(torch.autograd.Function):
             current = kv.contiguous()
             dkv_works: list = []
             dkv_incoming: Tensor | None = None
+            waited = 0.0
             for step in range(size):
                 if step + 1 < size:
                     incoming, kv_works = shift.start(current)
@@ -358,14 +365,15 @@ class _RingAttention(torch.autograd.Function):
                 products = block_schedule(rank, src, size, causal, zigzag)
                 units += _backward_products(q, current, do, out, lse, dq, local, scale, products)
                 if dkv_incoming is not None:  # the previous ranks' accumulation for block ``src``
-                    shift.wait(dkv_works)
+                    waited += shift.wait(dkv_works)
                     local.add_(dkv_incoming)
                 dkv_incoming, dkv_works = shift.start(local)
                 if step + 1 < size:
-                    shift.wait(kv_works)
+                    waited += shift.wait(kv_works)
                     current = incoming
-            shift.wait(dkv_works)
+            waited += shift.wait(dkv_works)
             dkv = dkv_incoming
+            _record(ctx.stats, "backward_recv_wait_s", waited)
         _record(ctx.stats, "backward_units", units)
         return dq.to(q.dtype), dkv.to(kv.dtype), None, None, None, None, None, None
 
@@ -393,7 +401,9 @@ def ring_attention(
     For causal attention the shards must follow :func:`zigzag_shard` (``sharding="zigzag"``) or
     :func:`contiguous_shard` (``"contiguous"``); non-causal attention accepts either.
     ``stats``: optional dict; the work done (quarter-block units, see :class:`BlockProduct`)
-    is added under ``"forward_units"`` / ``"backward_units"``. Returns ``[b, hq, s_local, d]``.
+    is added under ``"forward_units"`` / ``"backward_units"``, and in ring mode the seconds
+    spent blocked on receives (what the compute of the current block did not hide) under
+    ``"forward_recv_wait_s"`` / ``"backward_recv_wait_s"``. Returns ``[b, hq, s_local, d]``.
     """
     mode = ContextParallelMode(mode.value if isinstance(mode, Enum) else mode)
     if mode not in (ContextParallelMode.RING, ContextParallelMode.ALL_GATHER):
