@@ -347,6 +347,8 @@ def markdown(result: dict) -> str:
             f"| {_mib(sd['peak_growth_bytes'])} "
             f"| {_mib(ring['peak_growth_bytes'])} | {_mib(scores)} |"
         )
+    if "long_memory" in result:
+        lines += _long_markdown(result["long_memory"])
     misses = _misses(result)
     if misses:
         lines += ["", "Misses:", ""] + [f"- {x}" for x in misses]
@@ -416,8 +418,7 @@ def _misses(result: dict) -> list[str]:
     if bad:
         out.append(f"Ring / all-gather RSS growth above 1.0 with the allocator pinned at S = {_join(bad)}: one short "
                    f"run each, and the all-gather's only extra live memory is the gathered K/V of one layer "
-                   f"(2 × S × heads × head_dim × 4 B, freed after the layer): one short run each, within "
-                   f"run-to-run spread.")  # fmt: skip
+                   f"(2 × S × heads × head_dim × 4 B, freed after the layer): within run-to-run spread.")  # fmt: skip
     for key, what in (("step_ring_vs_ag", "step time"), ("rss_ring_vs_ag", "RSS growth")):
         bad = [s for s in lengths if pairs[str(s)][key]["median"] > 1]
         if not bad:
@@ -609,3 +610,76 @@ def _explain_pinned(result: dict, name: str, bad: list[int]) -> str:
         f"kernel's (kernel table) against SDPA's. {verdict} the activation saving grows with S, the per-process "
         f"part does not."
     )
+
+
+# ------------------------------------------------------------------------- long-sequence memory
+
+LONG_VARIANTS = {  # memory only, allocator pinned: the issue's S >= 8192 target
+    "no-CP": VARIANTS["no-CP"],
+    "cp=2 ring": VARIANTS["cp=2 ring"],
+    "cp=4 ring": MEMORY_ONLY["cp=4 ring"],
+    "cp=2 all-to-all": (2, 2, ["--cp", "2", "--cp-mode", "alltoall", "--cp-sharding", "zigzag"]),
+}
+LONG_COMMAND = "python -m benchmarks.context_parallel_scaling long-memory"
+
+
+def long_memory(lengths: list[int]) -> dict:
+    """Peak RSS growth per rank at long S with the allocator pinned, one short run per variant."""
+    cfg = {**MODEL, "max_seq_len": max(lengths)}
+    out: dict = {"command": LONG_COMMAND, "lengths": lengths, "load_1min": [os.getloadavg()[0]], "variants": {}}
+    for s in lengths:
+        for name, (nproc, _, extra) in LONG_VARIANTS.items():
+            args = ["--strategy", "5d", "--zero", "1", *extra, "--model", json.dumps(cfg), "--seq-len", str(s),
+                    "--batch-size", "1", "--warmup", "1", "--steps", "1", "--measure-activations"]  # fmt: skip
+            mem = _summary(_run_pinned(nproc, args))
+            out["variants"].setdefault(name, {})[str(s)] = {
+                k: mem[k] for k in ("rss_growth_bytes", "peak_rss_bytes", "peak_rss_ranks", "losses")
+            }
+    out["load_1min"].append(os.getloadavg()[0])
+    return out
+
+
+def _long_markdown(long: dict) -> list[str]:
+    lines = [
+        "",
+        f"Long sequences, memory only (`{long['command']}`, run on its own after the run above; 1 warm-up + 1 "
+        f"step per variant, allocator pinned as above; load average at start and end: "
+        f"{', '.join(f'{x:.1f}' for x in long['load_1min'])}). RSS growth per rank (MiB) and its ratio to no-CP; "
+        f"target for cp=2 ring ≤ {RSS_TARGET} from S = {RSS_FROM} on.",
+        "",
+        "| S | " + " | ".join(long["variants"]) + " | " + " | ".join(f"{n} / no-CP" for n in long["variants"] if n != "no-CP")
+        + " |",
+        "|---:|" + "---:|" * (2 * len(long["variants"]) - 1),
+    ]  # fmt: skip
+    for s in long["lengths"]:
+        g = {n: long["variants"][n][str(s)]["rss_growth_bytes"] for n in long["variants"]}
+        ratios = []
+        for n in g:
+            if n == "no-CP":
+                continue
+            r = g[n] / g["no-CP"]
+            ratios.append(_x(r, n == "cp=2 ring" and r > _rss_target(s)))
+        lines.append(f"| {s} | " + " | ".join(_mib(v) for v in g.values()) + " | " + " | ".join(ratios) + " |")
+    return lines
+
+
+def _main() -> None:
+    import argparse
+
+    from benchmarks.__main__ import HERE, render
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.context_parallel_scaling")
+    parser.add_argument("command", choices=["long-memory"])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[8192])
+    args = parser.parse_args()
+    results = json.loads((HERE / "results.json").read_text())
+    result = results["context_parallel_scaling"]
+    result["long_memory"] = long_memory(args.lengths)
+    result["markdown"] = markdown(result)
+    (HERE / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (HERE / "RESULTS.md").write_text(render(results))
+    print("\n".join(_long_markdown(result["long_memory"])))
+
+
+if __name__ == "__main__":
+    _main()
