@@ -618,7 +618,6 @@ LONG_VARIANTS = {  # memory only, allocator pinned: the issue's S >= 8192 target
     "no-CP": VARIANTS["no-CP"],
     "cp=2 ring": VARIANTS["cp=2 ring"],
     "cp=4 ring": MEMORY_ONLY["cp=4 ring"],
-    "cp=2 all-to-all": (2, 2, ["--cp", "2", "--cp-mode", "alltoall", "--cp-sharding", "zigzag"]),
 }
 LONG_COMMAND = "python -m benchmarks.context_parallel_scaling long-memory"
 
@@ -630,7 +629,7 @@ def long_memory(lengths: list[int]) -> dict:
     for s in lengths:
         for name, (nproc, _, extra) in LONG_VARIANTS.items():
             args = ["--strategy", "5d", "--zero", "1", *extra, "--model", json.dumps(cfg), "--seq-len", str(s),
-                    "--batch-size", "1", "--warmup", "1", "--steps", "1", "--measure-activations"]  # fmt: skip
+                    "--batch-size", "1", "--warmup", "2", "--steps", "1", "--measure-activations"]  # fmt: skip
             mem = _summary(_run_pinned(nproc, args))
             out["variants"].setdefault(name, {})[str(s)] = {
                 k: mem[k] for k in ("rss_growth_bytes", "peak_rss_bytes", "peak_rss_ranks", "losses")
@@ -642,7 +641,7 @@ def long_memory(lengths: list[int]) -> dict:
 def _long_markdown(long: dict) -> list[str]:
     lines = [
         "",
-        f"Long sequences, memory only (`{long['command']}`, run on its own after the run above; 1 warm-up + 1 "
+        f"Long sequences, memory only (`{long['command']}`, run on its own after the run above; 2 warm-up + 1 "
         f"step per variant, allocator pinned as above; load average at start and end: "
         f"{', '.join(f'{x:.1f}' for x in long['load_1min'])}). RSS growth per rank (MiB) and its ratio to no-CP; "
         f"target for cp=2 ring ≤ {RSS_TARGET} from S = {RSS_FROM} on.",
