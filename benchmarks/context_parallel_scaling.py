@@ -265,8 +265,9 @@ def markdown(result: dict) -> str:
         "Context parallel vs none. Saved activations are exact (the same on every rank and repeat); time and RSS "
         "ratios are paired within each repeat: median [min–max over repeats]. Targets: saved activations = 1/cp "
         f"(within {ACTIVATION_TOLERANCE:.0%}); RSS growth ≤ 1.0; step time cp=2 ring ≤ {STEP_TARGET} from "
-        f"S = {STEP_FROM} on, else ≤ 1.0 (ideal 1/cp with one free core per rank); ✗ marks a miss. CPU-s / token: CPU time of all ranks per token, cp=2 ring / no-CP (the work "
-        "done, which other load hardly moves; no target).",
+        f"S = {STEP_FROM} on, else ≤ 1.0 (ideal 1/cp with one free core per rank); ✗ marks a miss. CPU-s / "
+        "token: CPU time of all ranks per token, cp=2 ring / no-CP (the work done, which other load hardly moves; "
+        "no target).",
         "",
         "| S | activations cp=2 / no-CP | activations cp=4 / no-CP | step cp=2 ring / no-CP "
         "| step cp=2 all-gather / no-CP | CPU-s / token cp=2 ring / no-CP | RSS growth cp=2 ring / no-CP |",
@@ -646,8 +647,8 @@ def _long_markdown(long: dict) -> list[str]:
         f"{', '.join(f'{x:.1f}' for x in long['load_1min'])}). RSS growth per rank (MiB) and its ratio to no-CP; "
         f"target for cp=2 ring ≤ {RSS_TARGET} from S = {RSS_FROM} on.",
         "",
-        "| S | " + " | ".join(long["variants"]) + " | " + " | ".join(f"{n} / no-CP" for n in long["variants"] if n != "no-CP")
-        + " |",
+        "| S | " + " | ".join(long["variants"]) + " | "
+        + " | ".join(f"{n} / no-CP" for n in long["variants"] if n != "no-CP") + " |",
         "|---:|" + "---:|" * (2 * len(long["variants"]) - 1),
     ]  # fmt: skip
     for s in long["lengths"]:

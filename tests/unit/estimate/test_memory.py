@@ -175,7 +175,8 @@ def test_cp_mode_buffers():
     cp, s = 4, 8192
     kv_block = 2 * 2 * (s // cp) * L8B.d_head * L8B.kv_heads
     q = 2 * (s // cp) * L8B.d_head * L8B.num_heads
-    detail = {mode: estimate(L8B, cp=cp, seq_len=s, cp_mode=mode).memory.detail for mode in ("ring", "allgather", "alltoall")}
+    modes = ("ring", "allgather", "alltoall")
+    detail = {mode: estimate(L8B, cp=cp, seq_len=s, cp_mode=mode).memory.detail for mode in modes}
     assert detail["ring"]["buffer_cp_ring"] == 2 * kv_block
     assert detail["allgather"]["buffer_cp_gathered_kv"] == cp * kv_block
     assert detail["alltoall"]["buffer_cp_head_shards"] == 2 * (2 * q + kv_block)
