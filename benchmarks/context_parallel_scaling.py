@@ -391,6 +391,26 @@ def _misses(result: dict) -> list[str]:
         out.append(f"Ring block / SDPA above {KERNEL_TARGET} at L = {_join(slow_kernel)}: the same CPU flash kernel "
                    f"plus the fp32 online-softmax merge (an O(L·d) pass per block) and, in backward, the fp32 dQ/dK/dV "
                    f"accumulators; at short L these fixed costs weigh most. ✗ Not otherwise explained.")  # fmt: skip
+    long = result.get("long_memory")
+    if long:
+        g = long["variants"]
+        late = [x for x in long["lengths"] if g["cp=2 ring"][str(x)]["rss_growth_bytes"]
+                > _rss_target(x) * g["no-CP"][str(x)]["rss_growth_bytes"]]  # fmt: skip
+        if late:
+            s0, pinned0 = lengths[0], result["pinned_malloc"]
+            acts = {x: (variants["cp=2 ring"][str(x)]["activation_bytes"], variants["no-CP"][str(x)]["activation_bytes"])
+                    for x in lengths}  # fmt: skip
+            out.append(
+                f"Long-sequence RSS growth cp=2 ring / no-CP above {RSS_TARGET} at S = {_join(late)} ("
+                + ", ".join(f"{g['cp=2 ring'][str(x)]['rss_growth_bytes'] / g['no-CP'][str(x)]['rss_growth_bytes']:.3f}"
+                            for x in late)  # fmt: skip
+                + f"; one run each). Saved activations per rank are {acts[lengths[-1]][0] / acts[lengths[-1]][1]:.2f}× "
+                f"no-CP's (table above), but part of each rank's growth does not shrink with S/cp: at S = {s0} a cp=2 "
+                f"rank already grows {_mib(pinned0['cp=2 ring'][str(s0)]['rss_growth_bytes'])} MiB against no-CP's "
+                f"{_mib(pinned0['no-CP'][str(s0)]['rss_growth_bytes'])} MiB (pinned table: optimizer state, gradients, "
+                f"the gloo and DTensor machinery of a 2-rank mesh). That part's share falls as S grows; at cp=4 the "
+                f"ratio is {g['cp=4 ring'][str(late[0])]['rss_growth_bytes'] / g['no-CP'][str(late[0])]['rss_growth_bytes']:.3f}."
+            )
     pinned_rss = result["pinned_malloc"]
     big = [x for x in lengths if x >= RSS_FROM and pinned_rss["cp=2 ring"][str(x)]["rss_growth_bytes"]
            > RSS_TARGET * pinned_rss["no-CP"][str(x)]["rss_growth_bytes"]]  # fmt: skip
