@@ -297,7 +297,9 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, kv, group, causal, mode, zigzag, scale, stats):  # type: ignore[override]
         rank, size = _group_info(group)
         cdt = _compute_dtype(q.dtype)
-        out = torch.zeros(q.shape, dtype=cdt, device=q.device)
+        # out keeps q's memory layout: models lay q out as [b, s, h, d] and transpose, so their
+        # out.transpose(1, 2).reshape(b, s, h·d) after attention is then a view, not a copy.
+        out = torch.zeros_like(q, dtype=cdt)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=cdt, device=q.device)
         units = 0
         if size == 1:
