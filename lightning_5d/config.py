@@ -69,6 +69,7 @@ SPLIT_BACKWARD = frozenset({PipelineSchedule.ZERO_BUBBLE, PipelineSchedule.ZBV, 
 class ContextParallelMode(str, Enum):
     RING = "ring"
     ALL_GATHER = "allgather"
+    ALL_TO_ALL = "alltoall"  # Ulysses: sequence shard -> head shard around attention
 
 
 class SequenceSharding(str, Enum):

@@ -1,4 +1,4 @@
-"""Attention kernels alone, one process: ``F.scaled_dot_product_attention`` vs ring attention's block math.
+"""Attention kernels alone, one process: ``F.scaled_dot_product_attention`` vs ring attention's fused block.
 
 Started by ``benchmarks/context_parallel_scaling.py`` in a fresh process, 1 thread, twice:
 once for time (the default allocator), once with ``--memory`` for memory (glibc's mmap
@@ -10,8 +10,8 @@ reference model passes them (K/V already repeated to the query heads):
 
 - ``sdpa``: what the model runs without context parallelism (``is_causal=True``);
 - ``ring``: ``lightning_5d.parallel.ring_attention.ring_attention`` with no process group,
-  i.e. one rank's diagonal block (the whole ``L × L`` causal block) through the same block
-  math every cp rank runs on each of its blocks.
+  i.e. one rank's diagonal block (the whole ``L × L`` causal block) through the fused block
+  kernel, online-softmax merge and backward every cp rank runs on each of its blocks.
 
 Measured after one warm-up call: the median time of ``--repeats`` forward + backward calls,
 or (``--memory``) the peak resident-set growth of one call (``VmHWM`` reset through

@@ -253,7 +253,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (5d, mp_tp)")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism with --tp (5d, mp_tp)")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size (5d)")
-    parser.add_argument("--cp-mode", default="ring", choices=["ring", "allgather"], help="with --cp > 1")
+    parser.add_argument("--cp-mode", default="ring", choices=["ring", "allgather", "alltoall"], help="with --cp > 1")
     parser.add_argument("--cp-sharding", default="zigzag", choices=["zigzag", "contiguous"], help="with --cp > 1")
     parser.add_argument("--bucket-mb", type=float, default=None, help="5d bucket size (default: the strategy's)")
     parser.add_argument("--model", required=True, help="LlamaConfig fields as JSON")

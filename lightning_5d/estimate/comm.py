@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from lightning_5d.config import ActivationCheckpointing, ZeroStage
+from lightning_5d.config import ActivationCheckpointing, ContextParallelMode, LayoutError, ZeroStage
 
 from .memory import ACTIVATION_BYTES, DEFAULT_BUCKET_BYTES, bytes_per_param
 from .params import RankParams, Stage, kv_heads_per_rank
@@ -211,12 +211,7 @@ def comm_per_step(
             out.append(CommEntry("tp", Collective.ALL_REDUCE, t, 3 * M, stats, tp, "vocab-parallel loss"))
 
     if setup.cp > 1:
-        # Ring attention (parallel/ring_attention.py): forward passes K,V around the ring (cp-1
-        # hops); backward passes K,V again (cp-1) and the dK,dV accumulators, which take cp hops:
-        # the last one returns each to its owner. Full recompute replays the forward ring.
-        kv_block = 2 * e * s * b * spec.d_head * kv_heads_per_rank(spec, t)
-        hops = ((setup.cp - 1) * (3 if full else 2) + setup.cp) * L * M
-        out.append(CommEntry("cp", Collective.SEND_RECV, setup.cp, hops, kv_block, link("cp"), "ring K/V, dK/dV"))
+        out.extend(context_parallel_comm(spec, setup, L, M, full, link("cp")))
 
     if setup.pp > 1:
         boundary = act / (t if setup.sp else 1)
@@ -234,6 +229,48 @@ def comm_per_step(
         ep = _ep_link(setup, gpus_per_node)
         out.append(CommEntry("ep", Collective.ALL_TO_ALL, setup.ep, calls, payload, ep, "MoE dispatch/combine"))
     return out
+
+
+def context_parallel_comm(
+    spec: ModelSpec, setup: TrainingSetup, layers: int, microbatches: int, full_recompute: bool, link: Link
+) -> list[CommEntry]:  # fmt: skip
+    """Attention's cp traffic per step for ``setup.cp_mode`` (parallel/ring_attention.py, ulysses_attention.py).
+
+    Per layer and microbatch, with the local K/V block ``kv = 2·e·s·b·d·g/t`` bytes:
+
+    * ring: forward passes K/V around the ring (cp−1 hops); backward passes K/V again (cp−1)
+      and the dK/dV accumulators, which take cp hops (the last returns each to its owner).
+    * allgather: forward all-gathers K/V; backward all-gathers it again and reduce-scatters dK/dV.
+    * alltoall: forward turns q, k, v into head shards and the output back (4 all-to-alls);
+      backward the same four on the gradients. Each sends (cp−1)/cp of the local tensor.
+
+    Full recompute replays the forward's traffic.
+    """
+    cp, e = setup.cp, ACTIVATION_BYTES[setup.precision]
+    tokens = e * setup.seq_len / cp * setup.micro_batch_size * spec.d_head
+    kv_block = 2 * tokens * kv_heads_per_rank(spec, setup.tp)
+    forwards = (2 if full_recompute else 1) * layers * microbatches
+    backwards = layers * microbatches
+    if setup.cp_mode is ContextParallelMode.ALL_GATHER:
+        gathered = cp * kv_block
+        return [
+            CommEntry("cp", Collective.ALL_GATHER, cp, forwards + backwards, gathered, link, "all-gather K/V"),
+            CommEntry("cp", Collective.REDUCE_SCATTER, cp, backwards, gathered, link, "reduce-scatter dK/dV"),
+        ]
+    if setup.cp_mode is ContextParallelMode.ALL_TO_ALL:
+        q_heads, kv_heads = spec.num_heads // setup.tp, kv_heads_per_rank(spec, setup.tp)
+        if q_heads % cp or kv_heads % cp:
+            raise LayoutError(
+                f"cp_mode=alltoall shards attention heads over cp={cp}, but a tp={setup.tp} rank holds {q_heads} "
+                f"query and {kv_heads} KV heads; cp must divide both (or use cp_mode=ring)."
+            )
+        calls = 2 * (forwards + backwards)  # q, out / dout, dq; and k, v / dk, dv
+        return [
+            CommEntry("cp", Collective.ALL_TO_ALL, cp, calls, tokens * q_heads, link, "all-to-all q, out (Ulysses)"),
+            CommEntry("cp", Collective.ALL_TO_ALL, cp, calls, kv_block / 2, link, "all-to-all k, v (Ulysses)"),
+        ]
+    hops = (cp - 1) * (forwards + backwards) + cp * backwards
+    return [CommEntry("cp", Collective.SEND_RECV, cp, hops, kv_block, link, "ring K/V, dK/dV")]
 
 
 def bytes_by_dim(entries: Iterable[CommEntry]) -> dict[str, float]:

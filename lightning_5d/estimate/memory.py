@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lightning_5d.accounting import ModelStateBytes
-from lightning_5d.config import ActivationCheckpointing, ZeroStage
+from lightning_5d.config import ActivationCheckpointing, ContextParallelMode, ZeroStage
 
 from .params import ParamCounts, RankParams, Stage, count_params, kv_heads_per_rank, rank_params
 from .schedule import in_flight_layer_microbatches, last_stage_in_flight
@@ -225,8 +225,26 @@ def buffer_bytes(spec: ModelSpec, setup: TrainingSetup, rank: RankParams) -> dic
         chunk = (
             2 * e * setup.seq_len / setup.cp * setup.micro_batch_size * spec.d_head * kv_heads_per_rank(spec, setup.tp)
         )
-        out["cp_ring"] = 2 * chunk  # the KV block being used and the one arriving
+        out.update(_context_parallel_transient(spec, setup, chunk))
     return out
+
+
+def _context_parallel_transient(spec: ModelSpec, setup: TrainingSetup, kv_block: float) -> dict[str, float]:
+    """Attention's extra live buffers under cp, by ``setup.cp_mode`` (the fused block kernels
+    need only tiles; what differs is what each mode holds of the other ranks' K/V).
+
+    Forward buffers, in activation precision: ring, the K/V block in use and the one
+    arriving; allgather, the whole gathered K/V (cp blocks); alltoall, the head-shard copies
+    of q, k, v and the output (as many bytes as the local tensors) plus their copies
+    reordered to sequence order.
+    """
+    cp, e = setup.cp, ACTIVATION_BYTES[setup.precision]
+    if setup.cp_mode is ContextParallelMode.ALL_GATHER:
+        return {"cp_gathered_kv": cp * kv_block}
+    if setup.cp_mode is ContextParallelMode.ALL_TO_ALL:
+        q = e * setup.seq_len / cp * setup.micro_batch_size * spec.d_head * spec.num_heads / setup.tp
+        return {"cp_head_shards": 2 * (2 * q + kv_block)}
+    return {"cp_ring": 2 * kv_block}
 
 
 # --- the whole rank ------------------------------------------------------------------------

@@ -249,6 +249,7 @@ def setup_from_recipe(cfg: Any, layout: Any = None) -> TrainingSetup:
         dp_shard=layout.dp_shard,
         tp=layout.tp,
         cp=layout.cp,
+        cp_mode=parallel.context.mode,
         pp=layout.pp,
         ep=layout.ep,
         zero=parallel.zero,

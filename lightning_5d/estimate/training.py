@@ -14,6 +14,7 @@ from typing import Any
 from lightning_5d.config import (
     DEFAULT_RANK_ORDER,
     ActivationCheckpointing,
+    ContextParallelMode,
     Layout,
     LayoutError,
     PipelineSchedule,
@@ -73,6 +74,7 @@ class TrainingSetup:
     dp_shard: int = 1
     tp: int = 1
     cp: int = 1
+    cp_mode: ContextParallelMode = ContextParallelMode.RING  # how attention crosses the cp ranks
     pp: int = 1
     ep: int = 1
     zero: ZeroStage = ZeroStage.OPTIMIZER  # ParallelConfig's default; irrelevant without data parallelism
@@ -96,6 +98,7 @@ class TrainingSetup:
             "schedule": PipelineSchedule,
             "recompute": ActivationCheckpointing,
             "attention": AttentionKernel,
+            "cp_mode": ContextParallelMode,
             "state_accounting": StateAccounting,
         }
         for name, enum_cls in coerce.items():

@@ -55,7 +55,7 @@ class ContextParallel:
         self.sharding = config.sharding
         self.current: SequenceShard | None = None
         self.attention_calls = 0
-        self.stats: dict[str, int] = {}  # ring-attention work, in quarter-block units
+        self.stats: dict[str, float] = {}  # ring-attention work (quarter-block units) and receive waits (s)
         self.undo: list[Callable[[], None]] = []  # removes every hook and wrapper installed below
         self._global: list[Tensor] = []  # this step's sequence-global values (held: ids get reused)
         self._checked_peers = False

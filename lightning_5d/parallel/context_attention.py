@@ -32,8 +32,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from lightning_5d.config import ContextParallelMode, SequenceSharding
 from lightning_5d.parallel.context_batch import ContextParallelError
 from lightning_5d.parallel.ring_attention import ring_attention
+from lightning_5d.parallel.ulysses_attention import alltoall_attention
 from lightning_5d.plan.model_plan import AttentionKernel, ModelPlan
 
 if TYPE_CHECKING:
@@ -51,7 +53,7 @@ def attend(
     cp: "ContextParallel", q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float | None,
     mask: Any = None, dropout: float = 0.0, where: str = "attention",
 ) -> Tensor:  # fmt: skip
-    """Ring attention of this rank's queries ([b, h, s_local, d]) over the whole sequence."""
+    """Attention of this rank's queries ([b, h, s_local, d]) over the whole sequence, by ``cp.mode``."""
     if mask is not None:
         raise ContextParallelError(
             f"{where} got an explicit attention mask of shape {tuple(getattr(mask, 'shape', ()))}; ring attention "
@@ -70,6 +72,10 @@ def attend(
             f"step's sequence shard (no KV cache, no cross-attention)."
         )
     cp.attention_calls += 1
+    if cp.mode is ContextParallelMode.ALL_TO_ALL:
+        return alltoall_attention(q, k, v, cp.group, cp.size, causal=causal,
+                                  zigzag=cp.sharding is SequenceSharding.ZIGZAG,
+                                  scale=q.size(-1) ** -0.5 if scale is None else float(scale))  # fmt: skip
     return ring_attention(q, k, v, cp.group, causal=causal, mode=cp.mode, sharding=cp.sharding, scale=scale,
                           stats=cp.stats)  # fmt: skip
 

@@ -12,13 +12,16 @@ log-sum-exp ``lse_i^(j)``; two partial results merge exactly with
     lse = log(exp(lse_a) + exp(lse_b))
     O   = exp(lse_a - lse) · O_a + exp(lse_b - lse) · O_b
 
-(the running max/sum rescaling of the online softmax, written in log space). The merge,
-the running ``(O_i, lse_i)`` and all block arithmetic are fp32 whatever the input dtype
-(fp64 inputs stay fp64).
+(the running max/sum rescaling of the online softmax, written in log space). Each block's
+``(O_i^(j), lse_i^(j))`` comes from a fused attention kernel
+(:mod:`lightning_5d.parallel.attention_kernel`: PyTorch's CPU flash op, CUDA's memory-
+efficient op) that never materializes the ``s_local × s_local`` scores; the block kernel
+runs in the input dtype, the merge and the running ``(O_i, lse_i)`` are fp32 (fp64 stays
+fp64).
 
-Backward recomputes the block probabilities ``P = exp(Q_i K_jᵀ/√d − lse_i)`` from the saved
-``(q, k, v, O, lse)``, accumulates ``dQ_i`` locally and returns each ``dK_j, dV_j`` to the
-rank that owns block ``j``.
+Backward runs the fused backward kernel on each block with the saved *final* ``(O_i, lse_i)``
+(then ``exp(Q_i K_jᵀ/√d − lse_i)`` is the block's slice of the whole softmax), accumulates
+``dQ_i`` locally and returns each ``dK_j, dV_j`` to the rank that owns block ``j``.
 
 Two communication modes (values of :class:`lightning_5d.config.ContextParallelMode`):
 
@@ -35,13 +38,16 @@ diagonal block, so every rank does the same amount of work (see :func:`block_sch
 With ``"contiguous"`` the layout is contiguous (:func:`contiguous_shard`) and rank ``r``
 computes ``r+1`` blocks: the work is unbalanced.
 
-Grouped-query attention (fewer KV heads than query heads) is handled by broadcasting
-the query-head groups over their KV head; K/V are never repeated.
+Grouped-query attention (fewer KV heads than query heads): K/V keep their own head count
+in the ring buffers (the bytes per hop scale with ``hkv``, not ``hq``); the CPU kernel takes
+them as they are. The pure-math block attention of earlier versions is kept as the tests'
+oracle in :mod:`lightning_5d.parallel.attention_reference`.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -51,6 +57,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_5d.config import ContextParallelMode, SequenceSharding
+from lightning_5d.parallel.attention_kernel import block_backward, block_forward
 
 __all__ = [
     "BlockProduct",
@@ -154,7 +161,7 @@ def count_block_units(rank: int, cp_size: int, causal: bool, zigzag: bool) -> in
 
 
 # ---------------------------------------------------------------------------------------------
-# block math (fp32); q: [b, hkv, g, sq, d], k/v: [b, hkv, 1, sk, d]
+# block products through the fused kernel; q: [b, hq, s, d], kv: [2, b, hkv, s, d]
 # ---------------------------------------------------------------------------------------------
 
 
@@ -163,23 +170,6 @@ def _half(x: Tensor, half: int | None, dim: int) -> Tensor:
         return x
     n = x.size(dim) // 2
     return x.narrow(dim, half * n, n)
-
-
-def _scores(q: Tensor, k: Tensor, scale: float, diagonal: bool) -> Tensor:
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if diagonal:
-        sq, sk = s.shape[-2:]
-        keep = torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~keep, float("-inf"))
-    return s
-
-
-def _block_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, diagonal: bool) -> tuple[Tensor, Tensor]:
-    """Partial output ``O^(j)`` (softmax within the block) and its ``lse^(j)`` for one block."""
-    s = _scores(q, k, scale, diagonal)
-    lse = torch.logsumexp(s, dim=-1)
-    o = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v)
-    return o, lse
 
 
 def merge_partial(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> tuple[Tensor, Tensor]:
@@ -195,49 +185,42 @@ def merge_partial(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor
 
 def _merge_into(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor, q_half: int | None) -> None:
     o_view, l_view = _half(out, q_half, -2), _half(lse, q_half, -1)
-    new_out, new_lse = merge_partial(o_view, l_view, block_out, block_lse)
+    new_out, new_lse = merge_partial(o_view, l_view, block_out.to(out.dtype), block_lse.to(lse.dtype))
     o_view.copy_(new_out)
     l_view.copy_(new_lse)
-
-
-def _block_backward(
-    q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor, scale: float, diagonal: bool
-) -> tuple[Tensor, Tensor, Tensor]:
-    """dQ, dK, dV of one block from the recomputed ``P = exp(S − lse)``; ``delta = rowsum(dO ∘ O)``."""
-    p = torch.exp(_scores(q, k, scale, diagonal) - lse.unsqueeze(-1))
-    dv = torch.matmul(p.transpose(-1, -2), do).sum(dim=2, keepdim=True)
-    dp = torch.matmul(do, v.transpose(-1, -2))
-    ds = p * (dp - delta.unsqueeze(-1))
-    dq = torch.matmul(ds, k) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q).sum(dim=2, keepdim=True) * scale
-    return dq, dk, dv
 
 
 def _apply_products(
     state: tuple[Tensor, Tensor], q: Tensor, kv: Tensor, scale: float, products: list[BlockProduct]
 ) -> int:
+    """Merge the block's fused-kernel results ``(O^(j), lse^(j))`` into the running ``state``."""
     out, lse = state
     units = 0
     for p in products:
         k = _half(kv[0].to(q.dtype), p.k_half, -2)
         v = _half(kv[1].to(q.dtype), p.k_half, -2)
-        block_out, block_lse = _block_forward(_half(q, p.q_half, -2), k, v, scale, p.diagonal)
+        block_out, block_lse = block_forward(_half(q, p.q_half, -2), k, v, scale, p.diagonal)
         _merge_into(out, lse, block_out, block_lse, p.q_half)
         units += p.units
     return units
 
 
 def _backward_products(
-    q: Tensor, kv: Tensor, do: Tensor, lse: Tensor, delta: Tensor, dq: Tensor, dkv: Tensor, scale: float,
+    q: Tensor, kv: Tensor, do: Tensor, out: Tensor, lse: Tensor, dq: Tensor, dkv: Tensor, scale: float,
     products: list[BlockProduct],
 ) -> int:  # fmt: skip
-    """Accumulate the block's contributions into ``dq`` (local) and ``dkv`` ([2, ...], fp32)."""
+    """Accumulate the block's contributions into ``dq`` (local) and ``dkv`` ([2, ...], fp32).
+
+    The fused backward gets the rows' *final* ``out``/``lse``: ``exp(S − lse)`` is then this
+    block's slice of the whole-sequence softmax, so the per-block gradients sum to the exact
+    ones and the partial ``lse^(j)`` of forward needs no gradient of its own.
+    """
     units = 0
     for p in products:
         k = _half(kv[0].to(q.dtype), p.k_half, -2)
         v = _half(kv[1].to(q.dtype), p.k_half, -2)
         sel = lambda x, dim=-2: _half(x, p.q_half, dim)  # noqa: E731
-        bdq, bdk, bdv = _block_backward(sel(q), k, v, sel(do), sel(lse, -1), sel(delta, -1), scale, p.diagonal)
+        bdq, bdk, bdv = block_backward(sel(do), sel(q), k, v, sel(out), sel(lse, -1), scale, p.diagonal)
         sel(dq).add_(bdq)
         _half(dkv[0], p.k_half, -2).add_(bdk)
         _half(dkv[1], p.k_half, -2).add_(bdv)
@@ -274,9 +257,12 @@ class _RingShift:
         return recv, dist.batch_isend_irecv(ops)
 
     @staticmethod
-    def wait(works: list) -> None:
+    def wait(works: list) -> float:
+        """Block until the transfers are done; returns the seconds spent waiting (overlap left over)."""
+        start = time.perf_counter()
         for w in works:
             w.wait()
+        return time.perf_counter() - start
 
 
 def _all_gather_kv(kv: Tensor, group: Any, size: int) -> Tensor:
@@ -295,42 +281,51 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _record(stats: dict | None, key: str, units: int) -> None:
+def _record(stats: dict | None, key: str, amount: float) -> None:
     if stats is not None:
-        stats[key] = stats.get(key, 0) + units
+        stats[key] = stats.get(key, 0) + amount
 
 
 class _RingAttention(torch.autograd.Function):
-    """q: [b, hkv, g, s, d] (grouped view), kv: [2, b, hkv, 1, s, d]. Returns out in q's layout."""
+    """q: [b, hq, s, d], kv: [2, b, hkv, s, d] (K/V unrepeated). Returns out in q's layout and dtype.
+
+    The block kernels run in the input dtype; the running ``(O, lse)``, dQ and the travelling
+    dK/dV accumulators are fp32 (fp64 stays fp64).
+    """
 
     @staticmethod
     def forward(ctx, q, kv, group, causal, mode, zigzag, scale, stats):  # type: ignore[override]
         rank, size = _group_info(group)
-        qf = q.to(_compute_dtype(q.dtype))
-        out = torch.zeros_like(qf)
-        lse = torch.full(qf.shape[:-1], float("-inf"), dtype=qf.dtype, device=q.device)
+        cdt = _compute_dtype(q.dtype)
+        # out keeps q's memory layout: models lay q out as [b, s, h, d] and transpose, so their
+        # out.transpose(1, 2).reshape(b, s, h·d) after attention is then a view, not a copy.
+        out = torch.zeros_like(q, dtype=cdt)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=cdt, device=q.device)
         units = 0
         if size == 1:
-            units += _apply_products((out, lse), qf, kv, scale, block_schedule(0, 0, 1, causal, zigzag))
+            units += _apply_products((out, lse), q, kv, scale, block_schedule(0, 0, 1, causal, zigzag))
         elif mode is ContextParallelMode.ALL_GATHER:
             full = _all_gather_kv(kv, group, size)
             for src in range(size):
                 products = block_schedule(rank, src, size, causal, zigzag)
-                units += _apply_products((out, lse), qf, full[src], scale, products)
+                units += _apply_products((out, lse), q, full[src], scale, products)
         else:
             shift = _RingShift(group, rank, size)
             current = kv.contiguous()
+            waited = 0.0
             for step in range(size):
                 if step + 1 < size:  # the next block travels while this one is computed
                     incoming, works = shift.start(current)
                 src = (rank - step) % size
                 products = block_schedule(rank, src, size, causal, zigzag)
-                units += _apply_products((out, lse), qf, current, scale, products)
+                units += _apply_products((out, lse), q, current, scale, products)
                 if step + 1 < size:
-                    shift.wait(works)
+                    waited += shift.wait(works)
                     current = incoming
+            _record(stats, "forward_recv_wait_s", waited)
         _record(stats, "forward_units", units)
         out = out.to(q.dtype)
+        lse = lse.to(torch.promote_types(lse.dtype, torch.float32)).contiguous()
         ctx.save_for_backward(q, kv, out, lse)
         ctx.group, ctx.causal, ctx.mode, ctx.zigzag, ctx.scale, ctx.stats = group, causal, mode, zigzag, scale, stats
         return out
@@ -341,19 +336,19 @@ class _RingAttention(torch.autograd.Function):
         group, causal, mode, zigzag, scale = ctx.group, ctx.causal, ctx.mode, ctx.zigzag, ctx.scale
         rank, size = _group_info(group)
         cdt = _compute_dtype(q.dtype)
-        qf, do = q.to(cdt), dout.to(cdt)
-        delta = (do * out.to(cdt)).sum(dim=-1)  # D_i = rowsum(dO_i ∘ O_i)
-        dq = torch.zeros_like(qf)
+        do = dout.to(q.dtype)
+        dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
         units = 0
         if size == 1:
             dkv = torch.zeros(kv.shape, dtype=cdt, device=kv.device)
-            units += _backward_products(qf, kv, do, lse, delta, dq, dkv, scale, block_schedule(0, 0, 1, causal, zigzag))
+            products = block_schedule(0, 0, 1, causal, zigzag)
+            units += _backward_products(q, kv, do, out, lse, dq, dkv, scale, products)
         elif mode is ContextParallelMode.ALL_GATHER:
             full = _all_gather_kv(kv, group, size)
             dfull = torch.zeros(full.shape, dtype=cdt, device=kv.device)
             for src in range(size):
                 products = block_schedule(rank, src, size, causal, zigzag)
-                units += _backward_products(qf, full[src], do, lse, delta, dq, dfull[src], scale, products)
+                units += _backward_products(q, full[src], do, out, lse, dq, dfull[src], scale, products)
             dkv = torch.empty(kv.shape, dtype=cdt, device=kv.device)
             dist.reduce_scatter_tensor(dkv, dfull.flatten(0, 1), op=dist.ReduceOp.SUM, group=group)
         else:
@@ -363,22 +358,24 @@ class _RingAttention(torch.autograd.Function):
             current = kv.contiguous()
             dkv_works: list = []
             dkv_incoming: Tensor | None = None
+            waited = 0.0
             for step in range(size):
                 if step + 1 < size:
                     incoming, kv_works = shift.start(current)
                 src = (rank - step) % size
                 local = torch.zeros(kv.shape, dtype=cdt, device=kv.device)
                 products = block_schedule(rank, src, size, causal, zigzag)
-                units += _backward_products(qf, current, do, lse, delta, dq, local, scale, products)
+                units += _backward_products(q, current, do, out, lse, dq, local, scale, products)
                 if dkv_incoming is not None:  # the previous ranks' accumulation for block ``src``
-                    shift.wait(dkv_works)
+                    waited += shift.wait(dkv_works)
                     local.add_(dkv_incoming)
                 dkv_incoming, dkv_works = shift.start(local)
                 if step + 1 < size:
-                    shift.wait(kv_works)
+                    waited += shift.wait(kv_works)
                     current = incoming
-            shift.wait(dkv_works)
+            waited += shift.wait(dkv_works)
             dkv = dkv_incoming
+            _record(ctx.stats, "backward_recv_wait_s", waited)
         _record(ctx.stats, "backward_units", units)
         return dq.to(q.dtype), dkv.to(kv.dtype), None, None, None, None, None, None
 
@@ -406,9 +403,14 @@ def ring_attention(
     For causal attention the shards must follow :func:`zigzag_shard` (``sharding="zigzag"``) or
     :func:`contiguous_shard` (``"contiguous"``); non-causal attention accepts either.
     ``stats``: optional dict; the work done (quarter-block units, see :class:`BlockProduct`)
-    is added under ``"forward_units"`` / ``"backward_units"``. Returns ``[b, hq, s_local, d]``.
+    is added under ``"forward_units"`` / ``"backward_units"``, and in ring mode the seconds
+    spent blocked on receives (what the compute of the current block did not hide) under
+    ``"forward_recv_wait_s"`` / ``"backward_recv_wait_s"``. Returns ``[b, hq, s_local, d]``.
     """
     mode = ContextParallelMode(mode.value if isinstance(mode, Enum) else mode)
+    if mode not in (ContextParallelMode.RING, ContextParallelMode.ALL_GATHER):
+        raise ValueError(f"ring_attention runs mode ring or allgather, got {mode.value!r}; for alltoall call "
+                         f"lightning_5d.parallel.ulysses_attention.alltoall_attention")  # fmt: skip
     zigzag = SequenceSharding(sharding.value if isinstance(sharding, Enum) else sharding) is SequenceSharding.ZIGZAG
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"expected [b, heads, s_local, d] tensors, got q {tuple(q.shape)}, k {tuple(k.shape)}")
@@ -423,8 +425,5 @@ def ring_attention(
     if causal and zigzag and s % 2 != 0:
         raise ValueError(f"zig-zag needs an even local sequence length (two chunks per rank), got {s}")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    g = hq // hkv
-    q5 = q.reshape(b, hkv, g, s, d)
-    kv = torch.stack([k, v]).unsqueeze(3)  # [2, b, hkv, 1, s, d]
-    out = _RingAttention.apply(q5, kv, group, causal, mode, zigzag, scale, stats)
-    return out.reshape(b, hq, s, d)
+    kv = torch.stack([k, v])  # [2, b, hkv, s, d]: one buffer per ring hop, K/V not repeated
+    return _RingAttention.apply(q, kv, group, causal, mode, zigzag, scale, stats)

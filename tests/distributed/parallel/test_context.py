@@ -32,6 +32,9 @@ REFERENCE_FULL = [
     (4, 2, 2, True, 1, 1, None, ()),  # cp x tp with sequence parallelism
     (4, 2, 2, False, 3, 1, None, ()),  # cp x tp, FSDP2 over cp
     (4, 2, 1, False, 1, 2, 0.5, ()),  # cp x dp, gradient accumulation and clipping
+    (2, 2, 1, False, 1, 1, None, ("--cp-mode", "alltoall")),  # Ulysses
+    (4, 2, 2, True, 1, 1, None, ("--cp-mode", "alltoall")),  # Ulysses x tp+SP: heads/tp shard over cp
+    (4, 2, 1, False, 3, 1, None, ("--cp-mode", "alltoall", "--cp-sharding", "contiguous")),
 ]
 REF_PARAMS = "nproc,cp,tp,sp,zero,accumulate,clip,extra"
 
@@ -70,7 +73,8 @@ def test_reference_model_matches_single_process_full(tmp_path, nproc, cp, tp, sp
 
 # (nproc, cp, tp, sp, zero): Hugging Face LlamaForCausalLM in the obvious LightningModule
 HF_FAST = [(2, 2, 1, False, 1)]
-HF_FULL = [(4, 4, 1, False, 1), (4, 2, 2, True, 1), (4, 2, 1, False, 3), (2, 2, 1, False, 1, "allgather")]
+HF_FULL = [(4, 4, 1, False, 1), (4, 2, 2, True, 1), (4, 2, 1, False, 3), (2, 2, 1, False, 1, "allgather"),
+           (2, 2, 1, False, 1, "alltoall")]  # fmt: skip
 HF_PARAMS = "nproc,cp,tp,sp,zero"
 
 

@@ -1,4 +1,4 @@
-"""Ring and all-gather attention on cp ranks vs full SDPA on the gathered sequence.
+"""Ring, all-gather and all-to-all (Ulysses) attention on cp ranks vs full SDPA on the gathered sequence.
 
 One launch per world size checks every combination (mode × causal × zig-zag × GQA ×
 dtype) inside the script, forward and backward, against an fp64 SDPA reference; errors
@@ -25,11 +25,16 @@ def run_check(tmp_path, cp, dtypes=("float32", "bfloat16"), seq=None, timeout=15
 
 def check_records(records, cp):
     assert len(records) == len({(r["dtype"], r["mode"], r["causal"], r["zigzag"], r["hkv"]) for r in records})
-    assert {r["mode"] for r in records} == {"ring", "allgather"}
+    hq = records[0]["hq"]
+    assert {r["mode"] for r in records} == {"ring", "allgather"} | ({"alltoall"} if hq % cp == 0 else set())
     assert any(r["hkv"] < r["hq"] for r in records)  # GQA covered
     for r in records:
         for name, error in r["errors"].items():
             assert error <= TOLERANCE[r["dtype"]], f"{r}: {name} relative error {error:.2e}"
+        if r["mode"] == "alltoall":
+            continue  # no ring blocks: the work units below are the ring's
+        if r["mode"] == "ring" and cp > 1:  # the overlap left over is measured on every rank
+            assert all(u["forward_recv_wait_s"] >= 0 and u["backward_recv_wait_s"] >= 0 for u in r["units"])
         forward = [u["forward_units"] for u in r["units"]]
         backward = [u["backward_units"] for u in r["units"]]
         assert forward == backward

@@ -1,4 +1,4 @@
-"""Ring / all-gather attention on the cp ranks vs full SDPA on the gathered sequence.
+"""Ring / all-gather / all-to-all attention on the cp ranks vs full SDPA on the gathered sequence.
 
 Usage: ring_attention_check.py OUT_JSON [--dtypes float32,bfloat16] [--seq GLOBAL_LEN]
 
@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lightning_5d.parallel.ring_attention import contiguous_shard, ring_attention, zigzag_shard
+from lightning_5d.parallel.ulysses_attention import alltoall_attention
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
@@ -37,8 +38,11 @@ def rel(x, ref):
 
 
 records = []
-combos = itertools.product(args.dtypes.split(","), ("ring", "allgather"), (False, True), (False, True), (HQ, HQ // 2))
+MODES = ("ring", "allgather", "alltoall")
+combos = itertools.product(args.dtypes.split(","), MODES, (False, True), (False, True), (HQ, HQ // 2))
 for dtype_name, mode, causal, zigzag, hkv in combos:
+    if mode == "alltoall" and (HQ % cp or hkv % cp):
+        continue  # heads must divide over cp (the error is a unit test)
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator().manual_seed(1234)
     q, k, v = (torch.randn(B, h, S, D, generator=gen).to(dtype) for h in (HQ, hkv, hkv))
@@ -53,9 +57,12 @@ for dtype_name, mode, causal, zigzag, hkv in combos:
     shard = (lambda x: zigzag_shard(x, 2, rank, cp)) if zigzag else (lambda x: contiguous_shard(x, 2, rank, cp))
     ql, kl, vl = (shard(t).clone().requires_grad_() for t in (q, k, v))
     stats = {}
-    out = ring_attention(
-        ql, kl, vl, group, causal=causal, mode=mode, sharding="zigzag" if zigzag else "contiguous", stats=stats
-    )
+    if mode == "alltoall":
+        out = alltoall_attention(ql, kl, vl, group, cp, causal=causal, zigzag=zigzag, scale=D**-0.5)
+    else:
+        out = ring_attention(
+            ql, kl, vl, group, causal=causal, mode=mode, sharding="zigzag" if zigzag else "contiguous", stats=stats
+        )
     out.backward(shard(grad_out))
     assert out.dtype == dtype and ql.grad.dtype == dtype and kl.grad.dtype == dtype
     mine = {"out": out.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}

@@ -21,7 +21,7 @@ parser.add_argument("--model", required=True, choices=["llama", "qwen2", "gpt2",
 parser.add_argument("--tp", type=int, default=1)
 parser.add_argument("--sp", action="store_true")
 parser.add_argument("--cp", type=int, default=1)
-parser.add_argument("--cp-mode", default="ring", choices=["ring", "allgather"])
+parser.add_argument("--cp-mode", default="ring", choices=["ring", "allgather", "alltoall"])
 parser.add_argument("--zero", type=int, default=1)
 parser.add_argument("--steps", type=int, default=5)
 parser.add_argument("--pp", type=int, default=1)

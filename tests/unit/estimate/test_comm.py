@@ -2,6 +2,7 @@
 
 import pytest
 
+from lightning_5d.config import LayoutError
 from lightning_5d.estimate import Collective, Link, estimate, get_preset, ring_bytes
 
 L8B = get_preset("llama3-8b")
@@ -82,6 +83,30 @@ def test_cp_ring_passes_kv_twice_and_returns_gradients_to_their_owners():
     # K/V forward and backward (cp-1 hops each), dK/dV cp hops (the last back to its owner)
     assert ring.calls == (2 * (cp - 1) + cp) * L8B.num_layers
     assert est.comm_bytes_per_step["dp"] > 0  # gradients are averaged over the cp ranks
+
+
+def test_cp_allgather_and_alltoall_bytes():
+    cp, s = 4, 8192
+    tokens = 2 * (s // cp) * L8B.d_head  # bf16 bytes per head of the local shard
+    kv_block = 2 * tokens * L8B.kv_heads
+    layers = L8B.num_layers
+    ag = estimate(L8B, cp=cp, seq_len=s, cp_mode="allgather")
+    # K/V gathered in forward and again in backward, dK/dV reduce-scattered: 3 x (cp-1)/cp x cp blocks
+    assert ag.comm_bytes_per_step["cp"] == pytest.approx(3 * layers * (cp - 1) * kv_block)
+    a2a = estimate(L8B, cp=cp, seq_len=s, cp_mode="alltoall")
+    # q, k, v, out forward and their gradients backward, each sending (cp-1)/cp of the local tensor
+    per_layer = 2 * (2 * tokens * L8B.num_heads + kv_block) * (cp - 1) / cp
+    assert a2a.comm_bytes_per_step["cp"] == pytest.approx(layers * per_layer)
+    assert {c.collective for c in a2a.comm if c.dim == "cp"} == {Collective.ALL_TO_ALL}
+    # Ulysses' bytes per rank fall with cp, the ring's do not
+    ring = {c: estimate(L8B, cp=c, seq_len=s).comm_bytes_per_step["cp"] for c in (2, 8)}
+    uly = {c: estimate(L8B, cp=c, seq_len=s, cp_mode="alltoall").comm_bytes_per_step["cp"] for c in (2, 8)}
+    assert uly[8] < uly[2] and ring[8] > ring[2]
+
+
+def test_cp_alltoall_needs_heads_divisible_by_cp():
+    with pytest.raises(LayoutError, match="cp must divide both"):
+        estimate(L8B, cp=16, seq_len=8192, cp_mode="alltoall")  # 8 KV heads
 
 
 def test_pp_sends_activations_each_way_per_microbatch_and_chunk():

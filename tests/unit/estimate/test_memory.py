@@ -168,3 +168,15 @@ def test_zero3_gathers_a_layer_buffer():
     layer = count_params(L8B).layer.total
     assert z3.detail["buffer_zero3_gather"] == 2 * 2 * layer + 2 * layer
     assert z2.buffers < z3.buffers
+
+
+def test_cp_mode_buffers():
+    """Ring: two K/V blocks; all-gather: all cp of them; all-to-all: head-shard copies of q, k, v, out."""
+    cp, s = 4, 8192
+    kv_block = 2 * 2 * (s // cp) * L8B.d_head * L8B.kv_heads
+    q = 2 * (s // cp) * L8B.d_head * L8B.num_heads
+    modes = ("ring", "allgather", "alltoall")
+    detail = {mode: estimate(L8B, cp=cp, seq_len=s, cp_mode=mode).memory.detail for mode in modes}
+    assert detail["ring"]["buffer_cp_ring"] == 2 * kv_block
+    assert detail["allgather"]["buffer_cp_gathered_kv"] == cp * kv_block
+    assert detail["alltoall"]["buffer_cp_head_shards"] == 2 * (2 * q + kv_block)
