@@ -40,7 +40,7 @@ def assert_params(params, ref_params):
 @pytest.mark.parametrize(
     "save_zero,resume_zero",
     [
-        (1, 2),
+        pytest.param(1, 2, marks=pytest.mark.slow),
         (1, 3),  # ZeRO-1/2 write and ZeRO-3 (FSDP2) reads the same FQN-keyed format ...
         pytest.param(3, 0, marks=pytest.mark.slow),  # ... and back
         pytest.param(3, 3, marks=pytest.mark.slow),

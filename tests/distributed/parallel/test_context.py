@@ -14,7 +14,7 @@ import torch
 from hf_support import hf_reference_run
 from lightning_5d.testing import run_distributed
 from reference import reference_run
-from tests_support import LOSS_RTOL, PARAM_RTOL, SCRIPTS, assert_equivalent, run_layout
+from tests_support import LOSS_RTOL, PARAM_RTOL, SCRIPTS, LayoutRuns, assert_equivalent, selected_cases
 
 STEPS = 5
 
@@ -39,10 +39,22 @@ REFERENCE_FULL = [
 REF_PARAMS = "nproc,cp,tp,sp,zero,accumulate,clip,extra"
 
 
-def check_reference(tmp_path, nproc, cp, tp, sp, zero, accumulate, clip, extra):
-    result, params = run_layout(
-        tmp_path, nproc, zero, accumulate=accumulate, clip=clip, steps=STEPS, tp=tp, sp=sp, cp=cp, extra=extra
-    )
+def layout_case(test_name: str, params: dict):
+    if not test_name.startswith("test_reference_model_matches_single_process"):
+        return None
+    key = tuple(params[name] for name in REF_PARAMS.split(","))
+    nproc, cp, tp, sp, zero, accumulate, clip, extra = key
+    return key, (nproc, dict(zero=zero, accumulate=accumulate, clip=clip, steps=STEPS, tp=tp, sp=sp, cp=cp, extra=extra))
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    """Every selected reference-model case of this module, trained in one launch per process count."""
+    return LayoutRuns(tmp_path_factory.mktemp("context"), selected_cases(request, layout_case))
+
+
+def check_reference(runs, nproc, cp, tp, sp, zero, accumulate, clip, extra):
+    result, params = runs[(nproc, cp, tp, sp, zero, accumulate, clip, extra)]
     layout = result["layout"]
     assert (layout["cp"], layout["tp"]) == (cp, tp)
     ref_losses, ref_params = reference_run(STEPS, nproc // (cp * tp), accumulate, clip)
@@ -57,18 +69,18 @@ def check_reference(tmp_path, nproc, cp, tp, sp, zero, accumulate, clip, extra):
 
 
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)  # the first case of a process count trains its whole batch
 @pytest.mark.parametrize(REF_PARAMS, REFERENCE_FAST)
-def test_reference_model_matches_single_process(tmp_path, nproc, cp, tp, sp, zero, accumulate, clip, extra):
-    check_reference(tmp_path, nproc, cp, tp, sp, zero, accumulate, clip, extra)
+def test_reference_model_matches_single_process(runs, nproc, cp, tp, sp, zero, accumulate, clip, extra):
+    check_reference(runs, nproc, cp, tp, sp, zero, accumulate, clip, extra)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize(REF_PARAMS, REFERENCE_FULL)
-def test_reference_model_matches_single_process_full(tmp_path, nproc, cp, tp, sp, zero, accumulate, clip, extra):
-    check_reference(tmp_path, nproc, cp, tp, sp, zero, accumulate, clip, extra)
+def test_reference_model_matches_single_process_full(runs, nproc, cp, tp, sp, zero, accumulate, clip, extra):
+    check_reference(runs, nproc, cp, tp, sp, zero, accumulate, clip, extra)
 
 
 # (nproc, cp, tp, sp, zero): Hugging Face LlamaForCausalLM in the obvious LightningModule
@@ -157,10 +169,10 @@ def test_attention_activations_fall_by_cp_and_zigzag_balances_work(tmp_path):
     "case, message",
     [
         ("no_positions", "takes no position_ids and no rotary module with a seq_len argument"),
-        ("explicit_softmax", "computes softmax(QKᵀ)V itself, which ring attention cannot replace"),
+        pytest.param("explicit_softmax", "computes softmax(QKᵀ)V itself, which ring attention cannot replace", marks=pytest.mark.slow),
         ("unlabelled", "carries no labels"),
-        ("bad_seq", "sequence length 30 is not divisible by 2*cp=4"),
-        ("hf_positional_mask", "the attention_mask passed to model masks tokens"),
+        pytest.param("bad_seq", "sequence length 30 is not divisible by 2*cp=4", marks=pytest.mark.slow),
+        pytest.param("hf_positional_mask", "the attention_mask passed to model masks tokens", marks=pytest.mark.slow),
     ],
 )
 def test_what_cp_cannot_run_fails_before_any_optimizer_step(case, message):

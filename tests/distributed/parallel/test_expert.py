@@ -34,7 +34,7 @@ def check_reference(tmp_path, nproc, ep, zero=1, tp=1, clip=None, extra=(), aux_
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("ep,zero", [(2, 1), (4, 0)])
+@pytest.mark.parametrize("ep,zero", [(2, 1), pytest.param(4, 0, marks=pytest.mark.slow)])
 def test_expert_parallel_matches_single_process(tmp_path, ep, zero):
     check_reference(tmp_path, ep, ep, zero=zero)
 
@@ -137,7 +137,7 @@ def test_all_to_all_splits_follow_the_router_and_bytes_are_tokens_topk_hidden(tm
 
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("policy", ["probability", "position"])
+@pytest.mark.parametrize("policy", ["probability", pytest.param("position", marks=pytest.mark.slow)])
 def test_capacity_drops_are_counted_and_kept_tokens_match(tmp_path, policy):
     records = dispatch_records(tmp_path, "--capacity-factor", "0.5", "--drop-policy", policy)
     dropped = sum(layer["dropped"] for r in records for layer in r["layers"])

@@ -40,7 +40,7 @@ def reference(batches: int, manual_accumulate: int):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("zero,manual_accumulate", [(0, 0), (1, 0), (2, 0), (1, 2), (2, 2)])
+@pytest.mark.parametrize("zero,manual_accumulate", [(0, 0), pytest.param(1, 0, marks=pytest.mark.slow), pytest.param(2, 0, marks=pytest.mark.slow), pytest.param(1, 2, marks=pytest.mark.slow), (2, 2)])
 def test_rank_dependent_and_unused_parameters(tmp_path, zero, manual_accumulate):
     steps = 6
     args = ["--zero", str(zero), "--manual-accumulate", str(manual_accumulate), "--steps", str(steps), "--out", str(tmp_path)]
