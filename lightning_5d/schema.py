@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 from enum import Enum, IntEnum
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Callable, TypeVar, get_args, get_origin
 
 from pydantic import BeforeValidator, ConfigDict, Field, StrictBool, ValidationError
@@ -89,6 +90,21 @@ def Optional_(annotation: Any, allowed: str) -> Any:
     return Annotated[annotation | None, Allowed(allowed)]
 
 
+def _plain(value: Any) -> Any:
+    """Other mappings and sequences as dicts and lists, which pydantic validates.
+
+    Hydra hands the strategy OmegaConf's DictConfig / ListConfig (a ``parallel:`` section of a
+    recipe, ``dict(cfg.parallel)`` with its nested sections); users may pass a MappingProxyType.
+    """
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_plain(item) for item in value)
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return [_plain(item) for item in value]
+    return value
+
+
 def settings(error: type[Exception], name: str | None = None) -> Callable[[type[T]], type[T]]:
     """Class decorator: a validating dataclass whose errors are ``error`` with readable messages.
 
@@ -102,6 +118,7 @@ def settings(error: type[Exception], name: str | None = None) -> Callable[[type[
 
         @functools.wraps(validate)
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            args, kwargs = tuple(_plain(a) for a in args), {k: _plain(v) for k, v in kwargs.items()}
             try:
                 validate(self, *args, **kwargs)
             except ValidationError as err:

@@ -36,6 +36,7 @@ def assert_params(params, ref_params):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "save_zero,resume_zero",
@@ -67,6 +68,7 @@ def assert_tp_params(params, ref_params):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "save,resume",  # (nproc, zero, tp, sp); both runs have 2 data ranks, so the same batches

@@ -163,6 +163,7 @@ def test_numerics_guard_logs_the_bf16_loss_difference(runs):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("zero, precision", [(0, "bf16-mixed"), pytest.param(1, "fp8-delayed", marks=pytest.mark.slow)])
 def test_resume_under_mixed_precision_continues_the_run(tmp_path, zero, precision):

@@ -215,3 +215,17 @@ def test_no_warning_when_the_setting_counts_or_the_planner_decides():
         FiveDStrategy(tp=2, sequence_parallel=True)
         FiveDStrategy(pp=2, pipeline={"schedule": "afab"})
         FiveDStrategy(sequence_parallel=True)  # no size given: the planner may choose tp > 1
+
+
+def test_hydra_containers_are_read_like_dicts():
+    """Hydra hands over DictConfig / ListConfig, nested ones included (a recipe's `parallel:`)."""
+    from omegaconf import OmegaConf
+
+    section = OmegaConf.create({"pp": 2, "pipeline": {"schedule": "interleaved_1f1b", "virtual_stages": 2,
+                                                      "stage_blocks": [1, 1, 1, 1]},
+                                "context": {"mode": "ring"}, "model_plan": {"model.layers": "blocks"}})  # fmt: skip
+    config = ParallelConfig.from_mapping(dict(section))
+    assert config.pipeline.stage_blocks == [1, 1, 1, 1] and config.pipeline.virtual_stages == 2
+    assert config.model_plan == {"model.layers": "blocks"}
+    with pytest.raises(LayoutError, match="pipeline.virtual_stages"):
+        ParallelConfig.from_mapping(dict(OmegaConf.create({"pipeline": {"virtual_stages": 0}})))

@@ -129,6 +129,7 @@ def test_model_with_a_length_sliced_rope_cache_matches_single_process(tmp_path, 
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_second_hugging_face_model_gets_global_positions_too(tmp_path):
     """A frozen reference model next to the policy (DPO, distillation): its logits on the shard
@@ -147,6 +148,7 @@ def probe(tmp_path, cp, sharding="zigzag"):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_attention_activations_fall_by_cp_and_zigzag_balances_work(tmp_path):
     measured = {cp: probe(tmp_path, cp) for cp in (1, 2, 4)}

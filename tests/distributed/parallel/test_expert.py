@@ -47,6 +47,7 @@ def test_expert_parallel_with_zero3_and_data_parallel(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_expert_parallel_with_tensor_parallel_and_clipping(tmp_path):
     check_reference(tmp_path, 4, 2, zero=1, tp=2, clip=0.05)
@@ -107,6 +108,7 @@ def dispatch_records(tmp_path, *extra):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_all_to_all_splits_follow_the_router_and_bytes_are_tokens_topk_hidden(tmp_path):
     records = dispatch_records(tmp_path)
@@ -154,6 +156,7 @@ def test_capacity_drops_are_counted_and_kept_tokens_match(tmp_path, policy):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_aux_loss_free_bias_moves_by_the_rate_and_is_saved(tmp_path):
     _, params = run_layout(

@@ -153,6 +153,7 @@ def test_collectives_per_block_match_the_playbook(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_saved_activations_fall_as_korthikanti_predicts(tmp_path):
     from lightning_5d.config import ActivationCheckpointing
@@ -180,6 +181,7 @@ def test_saved_activations_fall_as_korthikanti_predicts(tmp_path):
 
 # ---------------------------------------------------------------- bad input
 @pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_tp_above_kv_heads_fails_before_training(tmp_path):
     run = run_distributed(
