@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from enum import Enum, IntEnum
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Callable, TypeVar, get_args, get_origin
@@ -51,6 +52,8 @@ def enum_member(enum_cls: type[Enum], value: Any) -> Enum:
         value = value.value
     if issubclass(enum_cls, IntEnum) and isinstance(value, str) and value.strip().lstrip("-").isdigit():
         value = int(value)
+    if issubclass(enum_cls, IntEnum) and not isinstance(value, (int, str)) and hasattr(value, "__index__"):
+        value = operator.index(value)  # numpy integers, e.g. a sweep over np.arange
     for member in enum_cls:
         if type(value) is type(member.value) and value == member.value:
             return member

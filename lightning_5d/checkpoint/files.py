@@ -215,6 +215,11 @@ def prune(root: Path, keep_last_k: int, pattern: str = "*.ckpt", branch: Optiona
         return []
     latest = latest_checkpoint(root, quiet=True)
     record = lineage.read(root) if branch is not None else {}
+    if branch is not None and record["branches"] and branch.id not in record["branches"]:
+        # The folder records lineages but not this run's (another writer's record replaced ours):
+        # ranking every checkpoint by step could delete another run's work, so prune nothing.
+        log.warning("%s: this run is not in the folder's lineage record; keep_last_k prunes nothing", root)
+        return []
     if branch is not None and branch.id in record["branches"]:
         named = [root / e["name"] for e in lineage.lineage(record, branch.id)]
         done = [

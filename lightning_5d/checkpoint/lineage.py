@@ -79,7 +79,9 @@ def read(root: Path) -> dict[str, Any]:
 
 
 def write(root: Path, record: dict[str, Any]) -> None:
-    tmp = Path(root) / f".{LINEAGE}.tmp"
+    # One temporary name per process: two runs writing into one folder never rename each
+    # other's half-written file into place.
+    tmp = Path(root) / f".{LINEAGE}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         json.dump(record, f, indent=1)
         f.flush()

@@ -229,3 +229,12 @@ def test_hydra_containers_are_read_like_dicts():
     assert config.model_plan == {"model.layers": "blocks"}
     with pytest.raises(LayoutError, match="pipeline.virtual_stages"):
         ParallelConfig.from_mapping(dict(OmegaConf.create({"pipeline": {"virtual_stages": 0}})))
+
+
+def test_numpy_integers_choose_enum_members_like_ints():
+    """A sweep over np.arange hands numpy integers to every field, the ZeRO stage included."""
+    np = pytest.importorskip("numpy")
+    config = ParallelConfig(zero=np.int64(3), dp_shard=np.int64(2))
+    assert int(config.zero) == 3 and config.dp_shard == 2
+    with pytest.raises(LayoutError, match="zero"):
+        ParallelConfig(zero=np.int64(7))

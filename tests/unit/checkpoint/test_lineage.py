@@ -149,3 +149,20 @@ def test_without_a_pointer_the_most_recently_written_checkpoint_wins_not_the_hig
     (tmp_path / files.LATEST).write_text("step=2.ckpt\n")
     files.remove(tmp_path / "step=2.ckpt")  # removed by hand: the run's lineage has nothing left
     assert files.latest_checkpoint(tmp_path) is None
+
+
+def test_a_run_missing_from_the_record_prunes_nothing(tmp_path, caplog):
+    """Another writer's record replaced ours (two runs in one folder): ranking every checkpoint
+    by step would delete the other run's work, so keep_last_k leaves the folder alone."""
+    other, ours = Branch.fresh(), Branch.fresh()
+    for step in (2, 4):
+        _save(tmp_path, f"step={step}.ckpt", other, step)
+    _save(tmp_path, "step=6.ckpt", ours, 6)
+    record = lineage.read(tmp_path)
+    del record["branches"][ours.id]
+    lineage.write(tmp_path, record)
+    with caplog.at_level(logging.WARNING):
+        assert files.prune(tmp_path, 1, branch=ours) == []
+    assert _names(tmp_path) == ["step=2.ckpt", "step=4.ckpt", "step=6.ckpt"]
+    assert "prunes nothing" in caplog.text
+    assert not list(tmp_path.glob(".lineage*.tmp"))  # the per-process temporary was renamed into place
