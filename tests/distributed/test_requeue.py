@@ -85,6 +85,7 @@ def interrupted_and_resumed(tmp_path, signal):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # the fast tier keeps the 2-process rollback + fallback case (checkpoint/test_lineage.py)
 @pytest.mark.timeout(600)
 def test_sigusr1_mid_epoch_saves_requeues_and_resumes_to_the_same_losses(tmp_path):
     interrupted_and_resumed(tmp_path, "SIGUSR1")
