@@ -1,12 +1,15 @@
-"""Start a script on several local processes (torch.distributed.run, gloo) with a hard timeout.
+"""Start a script on several local processes (gloo) with a hard timeout.
 
-Used by the multi-process tests and the benchmarks; the launching itself is
-:func:`lightning_5d.launch.run_ranks`, as for ``l5d train``. A hang becomes a failed run:
-on timeout the whole process group of the launcher is stopped.
+Used by the multi-process tests and the benchmarks. Two launchers (:class:`Launcher`):
+``TORCHRUN`` is :func:`lightning_5d.launch.run_ranks`, as for ``l5d train``; ``FORK``
+forks the ranks from an interpreter that already imported torch and Lightning
+(:mod:`lightning_5d.fork_launch`), which saves the start-up of every rank. Either way a
+hang becomes a failed run: on timeout every rank is stopped.
 """
 
 from __future__ import annotations
 
+import enum
 import io
 import os
 import sys
@@ -15,7 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from lightning_5d.launch import run_ranks
+from lightning_5d.fork_launch import run_forked_ranks
+from lightning_5d.launch import run_ranks, worker_env
+
+
+class Launcher(enum.Enum):
+    """How :func:`run_distributed` starts the ranks."""
+
+    TORCHRUN = "torchrun"  # fresh interpreters under torch.distributed.run: what users run
+    FORK = "fork"  # forked from a preloaded server: same environment, no import cost per rank
 
 
 @dataclass
@@ -40,14 +51,19 @@ def run_distributed(
     args: Sequence[str] = (),
     timeout: float = 240.0,
     env: dict[str, str] | None = None,
+    launcher: Launcher = Launcher.TORCHRUN,
 ) -> DistributedRun:
+    extra = {"PYTHONWARNINGS": "ignore", **(env or {})}
+    if launcher is Launcher.FORK:
+        rc, text = run_forked_ranks(script, list(args), nproc, {**worker_env(), **extra}, timeout_s=timeout)
+        return DistributedRun(-9 if rc is None else rc, text, timed_out=rc is None)
     output = io.StringIO()
     rc = run_ranks(
         [str(script), *args],
         nproc,
         [output],
         timeout_s=timeout,
-        env={"PYTHONWARNINGS": "ignore", **(env or {})},
+        env=extra,
     )
     return DistributedRun(-9 if rc is None else rc, output.getvalue(), timed_out=rc is None)
 

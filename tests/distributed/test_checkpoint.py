@@ -10,9 +10,8 @@ import json
 import pytest
 import torch
 
-from lightning_5d.testing import run_distributed
 from reference import reference_run
-from tests_support import SCRIPTS, parameter_vector_error
+from tests_support import SCRIPTS, parameter_vector_error, run_distributed
 
 NUM_SAMPLES = 12  # 2 ranks x 2 sequences: 3 steps per epoch; checkpoints fall on epoch ends
 

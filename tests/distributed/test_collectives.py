@@ -2,8 +2,7 @@
 
 import pytest
 
-from lightning_5d.testing import run_distributed
-from tests_support import SCRIPTS
+from tests_support import SCRIPTS, run_distributed
 
 
 @pytest.mark.distributed

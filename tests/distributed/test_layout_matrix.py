@@ -28,8 +28,7 @@ import pytest
 import torch
 
 from hf_support import hf_reference_run
-from lightning_5d.testing import run_distributed
-from tests_support import SCRIPTS, assert_equivalent, parameter_vector_error
+from tests_support import SCRIPTS, assert_equivalent, parameter_vector_error, run_distributed
 
 STEPS = 5
 MODELS = ("llama", "qwen2", "gpt2", "mixtral")

@@ -4,8 +4,7 @@ import json
 
 import pytest
 
-from lightning_5d.testing import run_distributed
-from tests_support import SCRIPTS
+from tests_support import SCRIPTS, run_distributed
 
 
 @pytest.mark.distributed

@@ -11,7 +11,7 @@ GEMM operand pair (E4M3: 3 mantissa bits); per step the loss moves by ~0.2 % aga
 import pytest
 
 from reference import reference_run
-from tests_support import LayoutRuns, relative, run_layout, selected_cases
+from tests_support import LayoutRuns, relative, run_distributed, run_layout, selected_cases
 
 RECIPES = ["tensorwise", "delayed", "rowwise", "blockwise", "mxfp8"]
 STEP_RTOL = 0.01
@@ -171,7 +171,6 @@ def test_resume_under_mixed_precision_continues_the_run(tmp_path, zero, precisio
     back; the fp32 masters restart from the saved bf16 weights, so the losses agree to bf16."""
     import json
 
-    from lightning_5d.testing import run_distributed
     from tests_support import SCRIPTS
 
     def train(out, resume=None):
@@ -199,7 +198,6 @@ def test_resume_under_mixed_precision_continues_the_run(tmp_path, zero, precisio
 def test_manual_optimization_clips_the_master_gradients(tmp_path):
     import json
 
-    from lightning_5d.testing import run_distributed
     from tests_support import SCRIPTS
 
     run_distributed(SCRIPTS / "precision_manual.py", 1, ["--out", str(tmp_path)], timeout=200).check()

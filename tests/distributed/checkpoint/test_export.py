@@ -13,10 +13,9 @@ import pytest
 import torch
 
 from lightning_5d.checkpoint.export import export_checkpoint, save_safetensors
-from lightning_5d.testing import run_distributed
 from hf_support import build_hf_model, hf_reference_run
 from reference import reference_run
-from tests_support import SCRIPTS, parameter_vector_error
+from tests_support import SCRIPTS, parameter_vector_error, run_distributed
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402

@@ -5,9 +5,8 @@ another model is refused with the names that do not match."""
 import pytest
 
 from lightning_5d.checkpoint import latest_checkpoint
-from lightning_5d.testing import run_distributed
 from reference import reference_run
-from tests_support import SCRIPTS, assert_equivalent, run_layout
+from tests_support import SCRIPTS, assert_equivalent, run_distributed, run_layout
 
 STEPS, NUM_SAMPLES = 6, 16  # 2 ranks x 2 sequences: 4 steps per epoch
 

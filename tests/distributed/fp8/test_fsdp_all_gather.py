@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_5d.testing import run_distributed
+from tests_support import run_distributed
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "fp8_all_gather_check.py"
 

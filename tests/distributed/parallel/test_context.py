@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from hf_support import hf_reference_run
-from lightning_5d.testing import run_distributed
 from reference import reference_run
-from tests_support import LOSS_RTOL, PARAM_RTOL, SCRIPTS, LayoutRuns, assert_equivalent, selected_cases
+from tests_support import LOSS_RTOL, LayoutRuns, PARAM_RTOL, SCRIPTS, assert_equivalent, run_distributed, selected_cases
 
 STEPS = 5
 

@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from hf_support import hf_reference_run
-from lightning_5d.testing import run_distributed
 from reference import reference_run
-from tests_support import SCRIPTS, assert_equivalent, parameter_vector_error, run_layout
+from tests_support import SCRIPTS, assert_equivalent, parameter_vector_error, run_distributed, run_layout
 
 STEPS = 5
 

@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from hf_support import hf_reference_run
-from lightning_5d.testing import run_distributed
 from reference import reference_run
-from tests_support import LOSS_RTOL, SCRIPTS, LayoutRuns, assert_equivalent, run_layout, selected_cases
+from tests_support import LOSS_RTOL, LayoutRuns, SCRIPTS, assert_equivalent, run_distributed, run_layout, selected_cases
 
 STEPS = 5
 BATCH = 8  # per data rank: enough for dualpipev's m >= 2p at pp=4

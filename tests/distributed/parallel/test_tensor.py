@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from hf_support import hf_reference_run
-from lightning_5d.testing import run_distributed
 from reference import reference_run
-from tests_support import SCRIPTS, LayoutRuns, assert_equivalent, selected_cases
+from tests_support import LayoutRuns, SCRIPTS, assert_equivalent, run_distributed, selected_cases
 
 STEPS = 5
 

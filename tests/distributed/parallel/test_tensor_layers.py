@@ -18,8 +18,8 @@ import json
 from pathlib import Path
 
 import pytest
+from tests_support import run_distributed
 
-from lightning_5d.testing import run_distributed
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "tp_layers_check.py"
 CASES = {

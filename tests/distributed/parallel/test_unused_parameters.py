@@ -8,9 +8,8 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from lightning_5d.testing import run_distributed
 from routed_experts import BATCH, Routed, Samples
-from tests_support import SCRIPTS
+from tests_support import SCRIPTS, run_distributed
 
 WORLD = 2
 

@@ -49,6 +49,19 @@ def make_datamodule(num_samples: int | None = None, batch_size: int = BATCH_SIZE
 SCRIPTS = Path(__file__).parent
 
 
+def run_distributed(script, nproc: int, args=(), timeout: float = 240.0, env=None):
+    """The tests' launcher: ranks forked from a preloaded interpreter (lightning_5d.fork_launch).
+
+    It saves each rank's torch/Lightning import, most of a short run's cost. The requeue
+    tests, which send signals through torchrun, and the harness test use
+    lightning_5d.testing.run_distributed's torchrun launcher instead.
+    """
+    from lightning_5d.testing import Launcher
+    from lightning_5d.testing import run_distributed as launch
+
+    return launch(script, nproc, args, timeout=timeout, env=env, launcher=Launcher.FORK)
+
+
 def layout_args(zero, dp_replicate: int = 1, accumulate: int = 1, clip=None, steps: int = 5,
                 precision: str = "32-true", extra=(), tp: int = 1, sp: bool = False, model: str = "tiny",
                 cp: int = 1) -> list[str]:  # fmt: skip
@@ -67,8 +80,6 @@ def read_run(out: Path):
 def run_layout(out: Path, nproc: int, zero, dp_replicate: int = 1, accumulate: int = 1, clip=None, *,
                timeout: float = 240, **options):  # fmt: skip
     """Train TINY under FiveDStrategy on ``nproc`` processes; returns (result.json, final params)."""
-    from lightning_5d.testing import run_distributed
-
     args = [*layout_args(zero, dp_replicate, accumulate, clip, **options), "--out", str(out)]
     run_distributed(SCRIPTS / "train_llama.py", nproc, args, timeout=timeout).check()
     return read_run(out)
@@ -95,8 +106,6 @@ class LayoutRuns:
         return read_run(self.out / self.ids[key])
 
     def _launch(self, nproc: int) -> None:
-        from lightning_5d.testing import run_distributed
-
         batch = [{"argv": layout_args(**options), "out": str(self.out / self.ids[key])}
                  for key, (n, options) in self.cases.items() if n == nproc]  # fmt: skip
         listing = self.out / f"cases_{nproc}.json"
