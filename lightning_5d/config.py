@@ -306,7 +306,7 @@ def validate_early(config: ParallelConfig) -> None:
     """Checks that need no world size; run in the strategy's constructor."""
     pipe = config.pipeline
     if config.pp > 1:
-        from lightning_5d.parallel.pipeline_schedule import check_schedule, default_microbatches
+        from lightning_5d.parallel.pipeline.schedule import check_schedule, default_microbatches
 
         v = pipe.virtual_stages
         check_schedule(pipe.schedule, config.pp, v, pipe.microbatches or default_microbatches(config.pp, v))

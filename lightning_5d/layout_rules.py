@@ -82,7 +82,7 @@ def pipeline_schedule(c: Combination) -> str | None:
         return None
     # check_schedule is the single statement of what torch's schedules accept; imported here
     # (not at module level) because it pulls in torch.distributed.pipelining.
-    from lightning_5d.parallel.pipeline_schedule import check_schedule, default_microbatches
+    from lightning_5d.parallel.pipeline.schedule import check_schedule, default_microbatches
 
     v = c.virtual_stages
     try:

@@ -55,18 +55,18 @@ from lightning_5d.layout_rules import (
 )
 from lightning_5d.mesh import ParallelMesh
 from lightning_5d.parallel.activation_checkpoint import apply_activation_checkpointing
-from lightning_5d.parallel.context import ContextParallel, ContextParallelError
-from lightning_5d.parallel.data import DataGroups, ZeroDataParallel, broadcast_module
-from lightning_5d.parallel.expert import ExpertParallel, ExpertParallelError
-from lightning_5d.parallel.fsdp import apply_expert_fsdp, apply_fp8_gather_units, apply_fsdp, set_gradient_sync
+from lightning_5d.parallel.context.routing import ContextParallel, ContextParallelError
+from lightning_5d.parallel.data.zero import DataGroups, ZeroDataParallel, broadcast_module
+from lightning_5d.parallel.expert.moe import ExpertParallel, ExpertParallelError
+from lightning_5d.parallel.data.fsdp import apply_expert_fsdp, apply_fp8_gather_units, apply_fsdp, set_gradient_sync
 from lightning_5d.parallel.grad_norm import clip_grad_norm_
-from lightning_5d.parallel.pipeline import PipelineMode, PipelineParallel
-from lightning_5d.parallel.pipeline_batch import PipelineError
-from lightning_5d.parallel.pipeline_fsdp import adopt_stage_units
-from lightning_5d.parallel.pipeline_loop import PipelineLoop, check_pipeline_supported
-from lightning_5d.parallel.tensor import TensorParallel
-from lightning_5d.parallel.vocab import loss_parallel_region
-from lightning_5d.parallel.zero_set import ZeroSet
+from lightning_5d.parallel.pipeline.stages import PipelineMode, PipelineParallel
+from lightning_5d.parallel.pipeline.batch import PipelineError
+from lightning_5d.parallel.pipeline.fsdp import adopt_stage_units
+from lightning_5d.parallel.pipeline.loop import PipelineLoop, check_pipeline_supported
+from lightning_5d.parallel.tensor.sharding import TensorParallel
+from lightning_5d.parallel.tensor.vocab import loss_parallel_region
+from lightning_5d.parallel.data.zero_set import ZeroSet
 from lightning_5d.plan import describe, discover
 from lightning_5d.process_exit import leave_together_at_exit, mark_failed
 from lightning_5d.plan.blocks import ModelMappingError, find_blocks, require_blocks

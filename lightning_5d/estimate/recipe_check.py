@@ -232,7 +232,7 @@ def spec_from_recipe(cfg: Any, name: str | None = None) -> ModelSpec:
 def setup_from_recipe(cfg: Any, layout: Any = None) -> TrainingSetup:
     """The composed config's layout, batch shape and modes as a planner ``TrainingSetup``."""
     from lightning_5d.config import ParallelConfig
-    from lightning_5d.parallel.pipeline_schedule import default_microbatches
+    from lightning_5d.parallel.pipeline.schedule import default_microbatches
 
     parallel = ParallelConfig.from_mapping(_plain(cfg.parallel))
     if layout is None:
@@ -270,7 +270,7 @@ def setup_from_recipe(cfg: Any, layout: Any = None) -> TrainingSetup:
 def runtime_stage_blocks(spec: ModelSpec, cfg: Any, stages: int) -> list[int]:
     """Blocks per pipeline stage as the runtime cuts them (``parallel.pipeline.balance`` / ``stage_blocks``)."""
     from lightning_5d.config import ParallelConfig
-    from lightning_5d.parallel.pipeline_split import split_blocks, stage_weights
+    from lightning_5d.parallel.pipeline.split import split_blocks, stage_weights
 
     pipeline = ParallelConfig.from_mapping(_plain(cfg.parallel)).pipeline
     counts = count_params(spec)

@@ -16,9 +16,9 @@ from lightning_5d.estimate.spec import load_spec
 from lightning_5d.estimate.timing import Cluster
 from lightning_5d.estimate.training import TrainingSetup
 from lightning_5d.layout_rules import RULES, Combination, Rule, refusal
-from lightning_5d.parallel.fsdp import fsdp_mesh
-from lightning_5d.parallel.pipeline_batch import PipelineError
-from lightning_5d.parallel.pipeline_loop import check_pipeline_supported
+from lightning_5d.parallel.data.fsdp import fsdp_mesh
+from lightning_5d.parallel.pipeline.batch import PipelineError
+from lightning_5d.parallel.pipeline.loop import check_pipeline_supported
 from lightning_5d.plan.blocks import ModelMappingError
 from lightning_5d.precision import PrecisionError
 from lightning_5d.strategy import FiveDStrategy

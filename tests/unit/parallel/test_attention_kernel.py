@@ -9,9 +9,9 @@ covered without starting processes.
 import pytest
 import torch
 
-from lightning_5d.parallel.attention_kernel import BlockKernel, block_backward, block_forward, select_kernel
-from lightning_5d.parallel.attention_reference import reference_block_backward, reference_block_forward
-from lightning_5d.parallel.ring_attention import (
+from lightning_5d.parallel.context.kernel import BlockKernel, block_backward, block_forward, select_kernel
+from lightning_5d.parallel.context.reference import reference_block_backward, reference_block_forward
+from lightning_5d.parallel.context.ring import (
     _apply_products,
     _backward_products,
     block_schedule,

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from lightning_5d.config import SequenceSharding
-from lightning_5d.parallel.context_batch import ContextParallelError, check_sequence_length, shard_batch
-from lightning_5d.parallel.ring_attention import zigzag_unshard
+from lightning_5d.parallel.context.batch import ContextParallelError, check_sequence_length, shard_batch
+from lightning_5d.parallel.context.ring import zigzag_unshard
 
 ZIGZAG, CONTIGUOUS = SequenceSharding.ZIGZAG, SequenceSharding.CONTIGUOUS
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from lightning_5d.models import LlamaConfig, LlamaLM
-from lightning_5d.parallel.context_batch import ContextParallelError, SequenceShard
-from lightning_5d.parallel.context_positions import _rows_at, find_backbone, route_positions
+from lightning_5d.parallel.context.batch import ContextParallelError, SequenceShard
+from lightning_5d.parallel.context.positions import _rows_at, find_backbone, route_positions
 from lightning_5d.plan import discover
 
 TINY = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_5d.parallel.expert_balance import AttachAuxLoss, load_balancing_loss, update_bias
+from lightning_5d.parallel.expert.balance import AttachAuxLoss, load_balancing_loss, update_bias
 
 # --------------------------------------------------------------------------- aux loss
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_5d.config import DropPolicy
-from lightning_5d.parallel.expert_dispatch import (
+from lightning_5d.parallel.expert.dispatch import (
     _keep_mask,
     _source_major_to_expert_major,
     capacity,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_5d.parallel.expert_metrics import ExpertLoad
+from lightning_5d.parallel.expert.metrics import ExpertLoad
 
 
 def test_expert_load_accumulates_and_computes():

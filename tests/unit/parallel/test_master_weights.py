@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_5d.parallel.master_weights import MasterWeights
+from lightning_5d.parallel.data.master_weights import MasterWeights
 
 
 def bf16_model() -> nn.Module:

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from lightning_5d.models import LlamaConfig, LlamaLM
-from lightning_5d.parallel.pipeline import _check_cuttable
-from lightning_5d.parallel.pipeline_batch import PipelineError
+from lightning_5d.parallel.pipeline.stages import _check_cuttable
+from lightning_5d.parallel.pipeline.batch import PipelineError
 from lightning_5d.plan import discover
 
 

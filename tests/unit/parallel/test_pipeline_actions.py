@@ -7,7 +7,7 @@ import pytest
 
 from lightning_5d.config import LayoutError, PipelineSchedule
 from lightning_5d.estimate.schedule import bubble_fraction
-from lightning_5d.parallel.pipeline_actions import (
+from lightning_5d.parallel.pipeline.actions import (
     Action,
     ActionCosts,
     ActionKind,
@@ -15,7 +15,7 @@ from lightning_5d.parallel.pipeline_actions import (
     action_lists,
     simulate,
 )
-from lightning_5d.parallel.pipeline_schedule import stage_ranks
+from lightning_5d.parallel.pipeline.schedule import stage_ranks
 
 F, B, IG, W = (
     ActionKind.FORWARD,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_5d.parallel.pipeline_batch import PipelineError, _combine_logs, merge_step_outputs, split_microbatches
+from lightning_5d.parallel.pipeline.batch import PipelineError, _combine_logs, merge_step_outputs, split_microbatches
 
 
 def test_split_microbatches_cuts_every_tensor_and_keeps_the_rest():

@@ -1,4 +1,4 @@
-"""ZeRO-3 units under a pipeline run (parallel/pipeline_fsdp.py), on a world of one rank:
+"""ZeRO-3 units under a pipeline run (parallel/pipeline/fsdp.py), on a world of one rank:
 gradients held across the run's backwards reduce once, and a run that raised leaves nothing
 behind for the next one."""
 
@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from lightning_5d.parallel.pipeline_fsdp import (
+from lightning_5d.parallel.pipeline.fsdp import (
     adopt_stage_units,
     drop_held_gradients,
     hold_gradients,

@@ -4,7 +4,7 @@ import pytest
 
 from lightning_5d import FiveDStrategy
 from lightning_5d.config import LayoutError, PipelineSchedule
-from lightning_5d.parallel.pipeline_schedule import (
+from lightning_5d.parallel.pipeline.schedule import (
     check_schedule,
     check_stage_count,
     local_stages,

@@ -3,7 +3,7 @@
 import pytest
 
 from lightning_5d.config import LayoutError, StageBalance
-from lightning_5d.parallel.pipeline_split import split_blocks, stage_weights
+from lightning_5d.parallel.pipeline.split import split_blocks, stage_weights
 
 
 def counts(ranges):

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_5d.parallel.ring_attention import (
+from lightning_5d.parallel.context.ring import (
     block_schedule,
     contiguous_shard,
     contiguous_unshard,

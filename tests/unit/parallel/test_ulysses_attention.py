@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from lightning_5d.parallel.ring_attention import ring_attention
-from lightning_5d.parallel.ulysses_attention import check_alltoall_heads
+from lightning_5d.parallel.context.ring import ring_attention
+from lightning_5d.parallel.context.ulysses import check_alltoall_heads
 
 
 def test_heads_must_divide_over_cp():

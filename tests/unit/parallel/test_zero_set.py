@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lightning_5d.config import ZeroStage
-from lightning_5d.parallel.zero_set import ZeroSet
+from lightning_5d.parallel.data.zero_set import ZeroSet
 
 
 class FakeEngine:

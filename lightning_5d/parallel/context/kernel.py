@@ -29,7 +29,7 @@ from enum import Enum
 import torch
 from torch import Tensor
 
-from lightning_5d.parallel.attention_reference import reference_block_backward, reference_block_forward
+from lightning_5d.parallel.context.reference import reference_block_backward, reference_block_forward
 
 __all__ = ["BlockKernel", "select_kernel", "block_forward", "block_backward"]
 

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from lightning_5d.layout_rules import Combination, loss_scaling_pp, zero3_split_backward
-from lightning_5d.parallel.pipeline import PipelineMode, PipelineParallel
-from lightning_5d.parallel.pipeline_batch import PipelineError, apply_logs
-from lightning_5d.parallel.pipeline_fsdp import drop_held_gradients, hold_gradients, reduce_held_gradients
+from lightning_5d.parallel.pipeline.stages import PipelineMode, PipelineParallel
+from lightning_5d.parallel.pipeline.batch import PipelineError, apply_logs
+from lightning_5d.parallel.pipeline.fsdp import drop_held_gradients, hold_gradients, reduce_held_gradients
 
 
 def check_pipeline_supported(module: nn.Module, combination: Combination) -> None:

@@ -57,7 +57,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_5d.config import ContextParallelMode, SequenceSharding
-from lightning_5d.parallel.attention_kernel import block_backward, block_forward
+from lightning_5d.parallel.context.kernel import block_backward, block_forward
 
 __all__ = [
     "BlockProduct",

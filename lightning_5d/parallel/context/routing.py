@@ -34,11 +34,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
 from lightning_5d.config import ContextConfig
-from lightning_5d.parallel import context_attention
-from lightning_5d.parallel.context_attention import HuggingFaceSwitch, hugging_face_models, route_attention
-from lightning_5d.parallel.context_batch import ContextParallelError, SequenceShard, shard_batch
-from lightning_5d.parallel.context_loss import global_cross_entropy, global_metric
-from lightning_5d.parallel.context_positions import route_positions
+from lightning_5d.parallel.context import attention as context_attention
+from lightning_5d.parallel.context.attention import HuggingFaceSwitch, hugging_face_models, route_attention
+from lightning_5d.parallel.context.batch import ContextParallelError, SequenceShard, shard_batch
+from lightning_5d.parallel.context.loss import global_cross_entropy, global_metric
+from lightning_5d.parallel.context.positions import route_positions
 from lightning_5d.plan.model_plan import ModelPlan
 
 __all__ = ["ContextParallel", "ContextParallelError"]

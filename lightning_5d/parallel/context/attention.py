@@ -33,13 +33,13 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_5d.config import ContextParallelMode, SequenceSharding
-from lightning_5d.parallel.context_batch import ContextParallelError
-from lightning_5d.parallel.ring_attention import ring_attention
-from lightning_5d.parallel.ulysses_attention import alltoall_attention
+from lightning_5d.parallel.context.batch import ContextParallelError
+from lightning_5d.parallel.context.ring import ring_attention
+from lightning_5d.parallel.context.ulysses import alltoall_attention
 from lightning_5d.plan.model_plan import AttentionKernel, ModelPlan
 
 if TYPE_CHECKING:
-    from lightning_5d.parallel.context import ContextParallel
+    from lightning_5d.parallel.context.routing import ContextParallel
 
 HF_IMPLEMENTATION = "lightning_5d_ring"
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")

@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch
 
-from lightning_5d.parallel.data import ZeroDataParallel
+from lightning_5d.parallel.data.zero import ZeroDataParallel
 
 
 class ZeroSet:

@@ -37,9 +37,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_5d.config import LayoutError
-from lightning_5d.parallel import tensor_ops
-from lightning_5d.parallel.regather import RegatherRegion
-from lightning_5d.parallel.vocab import vocab_parallel_embedding_forward, vocab_range
+from lightning_5d.parallel.tensor import ops as tensor_ops
+from lightning_5d.parallel.tensor.regather import RegatherRegion
+from lightning_5d.parallel.tensor.vocab import vocab_parallel_embedding_forward, vocab_range
 from lightning_5d.plan.model_plan import ModelPlan, Projection, ProjectionKind
 
 

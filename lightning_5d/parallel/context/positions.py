@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
-from lightning_5d.parallel.context_batch import ContextParallelError
+from lightning_5d.parallel.context.batch import ContextParallelError
 from lightning_5d.plan.model_plan import ModelPlan
 
 if TYPE_CHECKING:
-    from lightning_5d.parallel.context import ContextParallel
+    from lightning_5d.parallel.context.routing import ContextParallel
 
 
 def _parameters(fn: Any) -> list[str]:

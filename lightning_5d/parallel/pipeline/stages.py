@@ -41,7 +41,7 @@ from lightning_5d.config import PipelineConfig, PipelineSchedule
 from lightning_5d.mesh import ParallelMesh
 from lightning_5d.plan.model_plan import ModelPlan
 
-from .pipeline_batch import (
+from .batch import (
     PipelineError,
     _combine_logs,
     _loss_of,
@@ -50,7 +50,7 @@ from .pipeline_batch import (
     merge_step_outputs,
     split_microbatches,
 )
-from .pipeline_schedule import (
+from .schedule import (
     check_schedule,
     check_stage_count,
     default_microbatches,
@@ -58,7 +58,7 @@ from .pipeline_schedule import (
     schedule_class,
     stage_ranks,
 )
-from .pipeline_split import split_blocks, stage_weights
+from .split import split_blocks, stage_weights
 
 
 class PipelineMode(str, Enum):

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_5d.parallel.tensor_ops import all_gather_sequence
+from lightning_5d.parallel.tensor.ops import all_gather_sequence
 
 
 @dataclass

@@ -22,7 +22,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightning_5d.config import LayoutError, SequenceSharding
-from lightning_5d.parallel.ring_attention import contiguous_shard, zigzag_shard
+from lightning_5d.parallel.context.ring import contiguous_shard, zigzag_shard
 
 IGNORE_INDEX = -100
 _LABEL_KEYS = ("labels", "label", "targets", "target")

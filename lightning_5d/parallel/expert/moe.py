@@ -29,9 +29,9 @@ from torch import Tensor, nn
 
 from lightning_5d.config import ExpertConfig, LoadBalancing
 from lightning_5d.mesh import ParallelMesh
-from lightning_5d.parallel.expert_balance import AttachAuxLoss, load_balancing_loss, update_bias
-from lightning_5d.parallel.expert_dispatch import DispatchPlan, dispatch_and_combine, exchange_counts, plan_dispatch
-from lightning_5d.parallel.expert_metrics import ExpertLoad
+from lightning_5d.parallel.expert.balance import AttachAuxLoss, load_balancing_loss, update_bias
+from lightning_5d.parallel.expert.dispatch import DispatchPlan, dispatch_and_combine, exchange_counts, plan_dispatch
+from lightning_5d.parallel.expert.metrics import ExpertLoad
 from lightning_5d.plan import ExpertsKind, ModelPlan, MoEPlan
 from lightning_5d.plan.blocks import ModelMappingError
 

@@ -18,7 +18,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from lightning_5d.config import LayoutError, PipelineSchedule
 
-from .pipeline_schedule import SINGLE_STAGE, check_schedule, local_stages, schedule_class
+from .schedule import SINGLE_STAGE, check_schedule, local_stages, schedule_class
 
 
 class ActionKind(str, Enum):

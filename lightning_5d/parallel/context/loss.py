@@ -27,7 +27,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 if TYPE_CHECKING:
-    from lightning_5d.parallel.context import ContextParallel
+    from lightning_5d.parallel.context.routing import ContextParallel
 
 CROSS_ENTROPY_ARGS = (
     "input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing",

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_5d.parallel.attention_kernel import block_backward, block_forward
-from lightning_5d.parallel.ring_attention import zigzag_shard, zigzag_unshard
+from lightning_5d.parallel.context.kernel import block_backward, block_forward
+from lightning_5d.parallel.context.ring import zigzag_shard, zigzag_unshard
 
 __all__ = ["alltoall_attention", "check_alltoall_heads"]
 

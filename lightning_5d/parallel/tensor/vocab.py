@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.overrides import TorchFunctionMode
 
-from lightning_5d.parallel.tensor_ops import reduce_from_tp
+from lightning_5d.parallel.tensor.ops import reduce_from_tp
 
 
 def vocab_range(vocab_size: int, rank: int, size: int) -> tuple[int, int]:
