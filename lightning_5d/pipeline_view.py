@@ -26,7 +26,7 @@ from lightning_5d.parallel.pipeline.actions import (
     action_lists,
     simulate,
 )
-from lightning_5d.parallel.pipeline.schedule import V_SHAPED, default_microbatches
+from lightning_5d.pipeline_shape import V_SHAPED, default_microbatches
 
 PLOT_EXTRA = "pip install 'lightning_5d[plot]'"
 

@@ -44,7 +44,6 @@ from lightning_5d.config import (
     StrategyOptions,
     ZeroStage,
     ineffective_settings,
-    validate_early,
 )
 from lightning_5d.layout_rules import (
     Combination,
@@ -52,6 +51,7 @@ from lightning_5d.layout_rules import (
     fp32_accumulation_pp,
     fp8_all_gather_zero,
     hsdp_zero3_cp,
+    validate_early,
 )
 from lightning_5d.mesh import ParallelMesh
 from lightning_5d.parallel.activation_checkpoint import apply_activation_checkpointing

@@ -110,8 +110,8 @@ def validate(cfg: DictConfig, refuse_combinations: bool = True):
     :class:`~lightning_5d.config.Layout`. ``refuse_combinations=False`` leaves the
     ``layout_rules`` refusals to the caller (``l5d estimate --recipe`` lists them as problems).
     """
-    from lightning_5d.config import LayoutError, ParallelConfig, validate_early
-    from lightning_5d.layout_rules import refusal
+    from lightning_5d.config import LayoutError, ParallelConfig
+    from lightning_5d.layout_rules import refusal, validate_early
 
     devices = _positive_int(cfg, "devices")
     num_nodes = _positive_int(cfg, "num_nodes")
@@ -197,7 +197,7 @@ def _check_requeue(cfg: DictConfig) -> None:
 def _check_pipeline(cfg: DictConfig, parallel: Any, pp: int) -> None:
     """Blocks per stage and microbatches per batch, here rather than after every rank started."""
     from lightning_5d.parallel.pipeline.batch import PipelineError
-    from lightning_5d.parallel.pipeline.schedule import check_stage_count, default_microbatches
+    from lightning_5d.pipeline_shape import check_stage_count, default_microbatches
 
     v = parallel.pipeline.virtual_stages
     m = parallel.pipeline.microbatches or default_microbatches(pp, v)

@@ -9,13 +9,13 @@ import pytest
 from omegaconf import OmegaConf, open_dict
 from torch import nn
 
-from lightning_5d.config import Layout, LayoutError, ParallelConfig, PipelineSchedule, ZeroStage, validate_early
+from lightning_5d.config import Layout, LayoutError, ParallelConfig, PipelineSchedule, ZeroStage
 from lightning_5d.estimate.cli import default_global_batch
 from lightning_5d.estimate.search import combination, enumerate_setups, plan, refused_text
 from lightning_5d.estimate.spec import load_spec
 from lightning_5d.estimate.timing import Cluster
 from lightning_5d.estimate.training import TrainingSetup
-from lightning_5d.layout_rules import RULES, Combination, Rule, refusal
+from lightning_5d.layout_rules import RULES, Combination, Rule, refusal, validate_early
 from lightning_5d.parallel.data.fsdp import fsdp_mesh
 from lightning_5d.parallel.pipeline.batch import PipelineError
 from lightning_5d.parallel.pipeline.loop import check_pipeline_supported

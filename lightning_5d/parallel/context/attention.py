@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,22 +35,20 @@ from torch.overrides import TorchFunctionMode
 from lightning_5d.config import ContextParallelMode, SequenceSharding
 from lightning_5d.parallel.context.batch import ContextParallelError
 from lightning_5d.parallel.context.ring import ring_attention
+from lightning_5d.parallel.context.state import ContextState
 from lightning_5d.parallel.context.ulysses import alltoall_attention
 from lightning_5d.plan.model_plan import AttentionKernel, ModelPlan
-
-if TYPE_CHECKING:
-    from lightning_5d.parallel.context.routing import ContextParallel
 
 HF_IMPLEMENTATION = "lightning_5d_ring"
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 # The ContextParallel whose step is running, for the Hugging Face interface function,
 # which Hugging Face calls without any handle of ours.
-_ACTIVE: list["ContextParallel"] = []
+_ACTIVE: list[ContextState] = []
 
 
 def attend(
-    cp: "ContextParallel", q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float | None,
+    cp: ContextState, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float | None,
     mask: Any = None, dropout: float = 0.0, where: str = "attention",
 ) -> Tensor:  # fmt: skip
     """Attention of this rank's queries ([b, h, s_local, d]) over the whole sequence, by ``cp.mode``."""
@@ -81,7 +79,7 @@ def attend(
 
 
 class _SdpaAsRing(TorchFunctionMode):
-    def __init__(self, cp: "ContextParallel", where: str) -> None:
+    def __init__(self, cp: ContextState, where: str) -> None:
         super().__init__()
         self.cp, self.where = cp, where
 
@@ -97,7 +95,7 @@ class _SdpaAsRing(TorchFunctionMode):
         )  # fmt: skip
 
 
-def route_sdpa(cp: "ContextParallel", attention: nn.Module, where: str) -> None:
+def route_sdpa(cp: ContextState, attention: nn.Module, where: str) -> None:
     """Make ``attention``'s SDPA call ring attention while a shard is current."""
 
     def sharded(original: Any, *args: Any, **kwargs: Any) -> Any:
@@ -148,7 +146,7 @@ def hugging_face_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def route_hugging_face(cp: "ContextParallel", models: list[tuple[str, nn.Module]]) -> None:
+def route_hugging_face(cp: ContextState, models: list[tuple[str, nn.Module]]) -> None:
     """Register our attention implementation; :class:`HuggingFaceSwitch` selects it per step."""
     from transformers import AttentionInterface
 
@@ -190,7 +188,7 @@ class HuggingFaceSwitch:
 
 
 def _check_hf_call(
-    cp: "ContextParallel", name: str, signature: inspect.Signature, model: nn.Module, args: tuple, kwargs: dict
+    cp: ContextState, name: str, signature: inspect.Signature, model: nn.Module, args: tuple, kwargs: dict
 ) -> Any:  # fmt: skip
     if cp.current is None:
         return None
@@ -220,7 +218,7 @@ def _check_hf_call(
 
 
 def route_attention(
-    cp: "ContextParallel", module: nn.Module, plan: ModelPlan, models: list[tuple[str, nn.Module]]
+    cp: ContextState, module: nn.Module, plan: ModelPlan, models: list[tuple[str, nn.Module]]
 ) -> str:  # fmt: skip
     """Install the route for every block's attention; returns a one-line description.
 

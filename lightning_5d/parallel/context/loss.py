@@ -19,15 +19,14 @@ average comes out as that sum.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-if TYPE_CHECKING:
-    from lightning_5d.parallel.context.routing import ContextParallel
+from lightning_5d.parallel.context.state import ContextState
 
 CROSS_ENTROPY_ARGS = (
     "input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing",
@@ -62,7 +61,7 @@ def _counted_targets(bound: dict) -> Tensor:
     return weight[target[valid]].sum().to(torch.float64)
 
 
-def global_cross_entropy(cp: "ContextParallel", func: Any, args: tuple, kwargs: dict) -> Any:
+def global_cross_entropy(cp: ContextState, func: Any, args: tuple, kwargs: dict) -> Any:
     bound = {**dict(zip(CROSS_ENTROPY_ARGS, args)), **kwargs}
     reduction = bound.get("reduction", "mean")
     if bound.get("size_average") is not None or bound.get("reduce") is not None or reduction == "none":
@@ -78,7 +77,7 @@ def global_cross_entropy(cp: "ContextParallel", func: Any, args: tuple, kwargs: 
     return cp.mark_global((total.to(wide) / count.to(wide)).to(total.dtype))
 
 
-def global_metric(cp: "ContextParallel", value: Any) -> Any:
+def global_metric(cp: ContextState, value: Any) -> Any:
     """The token-weighted mean of a logged float over the cp ranks (other values unchanged)."""
     if isinstance(value, DTensor):  # e.g. a metric of vocabulary-sharded logits under tp
         value = value.full_tensor()

@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import Tensor, nn
 
 from lightning_5d.parallel.context.batch import ContextParallelError
+from lightning_5d.parallel.context.state import ContextState
 from lightning_5d.plan.model_plan import ModelPlan
-
-if TYPE_CHECKING:
-    from lightning_5d.parallel.context.routing import ContextParallel
 
 
 def _parameters(fn: Any) -> list[str]:
@@ -56,7 +54,7 @@ def _length_sliced_rotaries(module: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def route_positions(
-    cp: "ContextParallel", module: nn.Module, plan: ModelPlan, more: list[tuple[str, nn.Module]] = ()
+    cp: ContextState, module: nn.Module, plan: ModelPlan, more: list[tuple[str, nn.Module]] = ()
 ) -> str:  # fmt: skip
     """Install the route; returns a one-line description. Raises if the model offers none.
 
@@ -90,7 +88,7 @@ def route_positions(
     )
 
 
-def _inject(cp: "ContextParallel", where: str, index: int, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+def _inject(cp: ContextState, where: str, index: int, module: nn.Module, args: tuple, kwargs: dict) -> Any:
     shard = cp.current
     if shard is None:
         return None
@@ -117,7 +115,7 @@ def _inject(cp: "ContextParallel", where: str, index: int, module: nn.Module, ar
     return args, {**kwargs, "position_ids": positions}
 
 
-def _slice_rotary(cp: "ContextParallel", rotary: nn.Module) -> None:
+def _slice_rotary(cp: ContextState, rotary: nn.Module) -> None:
     signature = inspect.signature(rotary.forward)
 
     def sharded(original: Any, *args: Any, **kwargs: Any) -> Any:

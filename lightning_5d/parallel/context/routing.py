@@ -21,9 +21,8 @@ same weights; gradients are averaged over dp×cp by the data-parallel engine (th
 
 from __future__ import annotations
 
-import functools
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -36,28 +35,20 @@ from torch.overrides import TorchFunctionMode
 from lightning_5d.config import ContextConfig
 from lightning_5d.parallel.context import attention as context_attention
 from lightning_5d.parallel.context.attention import HuggingFaceSwitch, hugging_face_models, route_attention
-from lightning_5d.parallel.context.batch import ContextParallelError, SequenceShard, shard_batch
+from lightning_5d.parallel.context.batch import ContextParallelError, shard_batch
 from lightning_5d.parallel.context.loss import global_cross_entropy, global_metric
 from lightning_5d.parallel.context.positions import route_positions
+from lightning_5d.parallel.context.state import ContextState
 from lightning_5d.plan.model_plan import ModelPlan
 
 __all__ = ["ContextParallel", "ContextParallelError"]
 
 
-class ContextParallel:
+class ContextParallel(ContextState):
     """Routes ``module``'s positions and attention for sequence shards over ``cp_mesh``."""
 
     def __init__(self, module: nn.Module, plan: ModelPlan, cp_mesh: DeviceMesh, config: ContextConfig) -> None:
-        self.group = cp_mesh.get_group()
-        self.rank = cp_mesh.get_local_rank()
-        self.size = cp_mesh.size()
-        self.mode = config.mode
-        self.sharding = config.sharding
-        self.current: SequenceShard | None = None
-        self.attention_calls = 0
-        self.stats: dict[str, float] = {}  # ring-attention work (quarter-block units) and receive waits (s)
-        self.undo: list[Callable[[], None]] = []  # removes every hook and wrapper installed below
-        self._global: list[Tensor] = []  # this step's sequence-global values (held: ids get reused)
+        super().__init__(cp_mesh, config)
         self._checked_peers = False
         previous = getattr(module, _ATTACHED, None)
         if previous is not None:  # a new Trainer on the same module: one set of hooks, not two
@@ -77,27 +68,6 @@ class ContextParallel:
             f"positions: {self.position_route}"
         )
 
-    def wrap_forward(self, module: nn.Module, sharded: Callable[..., Any]) -> None:
-        """While a shard is current, ``module.forward(*a, **k)`` runs ``sharded(original_forward, *a, **k)``."""
-        original = module.forward
-        had_own = "forward" in vars(module)
-
-        @functools.wraps(original)
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            if self.current is None:
-                return original(*args, **kwargs)
-            return sharded(original, *args, **kwargs)
-
-        module.forward = forward
-
-        def undo() -> None:
-            if had_own:
-                module.forward = original
-            else:
-                del module.forward
-
-        self.undo.append(undo)
-
     def remove(self) -> None:
         self.end()
         for undo in reversed(self.undo):
@@ -105,12 +75,6 @@ class ContextParallel:
         self.undo.clear()
         if getattr(self._module, _ATTACHED, None) is self:
             object.__delattr__(self._module, _ATTACHED)
-
-    @property
-    def current_shard(self) -> SequenceShard:
-        if self.current is None:
-            raise RuntimeError("no sequence shard is current: context parallelism acts inside a step only.")
-        return self.current
 
     # ------------------------------------------------------------------ per step
     def begin(self, batch: Any) -> Any:
@@ -175,13 +139,6 @@ class ContextParallel:
                 f"model's attention ran on its shard alone, which is wrong. Route it through "
                 f"F.scaled_dot_product_attention in the attention modules discovery maps, or use cp=1."
             )
-
-    def mark_global(self, value: Tensor) -> Tensor:
-        self._global.append(value)
-        return value
-
-    def is_global(self, value: Tensor) -> bool:
-        return any(value is g for g in self._global)
 
 
 _ATTACHED = "_lightning_5d_context_parallel"

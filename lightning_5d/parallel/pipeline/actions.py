@@ -17,8 +17,9 @@ from typing import Any
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from lightning_5d.config import LayoutError, PipelineSchedule
+from lightning_5d.pipeline_shape import SINGLE_STAGE, check_schedule, local_stages
 
-from .schedule import SINGLE_STAGE, check_schedule, local_stages, schedule_class
+from .schedule import schedule_class
 
 
 class ActionKind(str, Enum):

@@ -39,6 +39,13 @@ from torch.distributed.pipelining import PipelineStage
 
 from lightning_5d.config import PipelineConfig, PipelineSchedule
 from lightning_5d.mesh import ParallelMesh
+from lightning_5d.pipeline_shape import (
+    check_schedule,
+    check_stage_count,
+    default_microbatches,
+    local_stages,
+    stage_ranks,
+)
 from lightning_5d.plan.model_plan import ModelPlan
 
 from .batch import (
@@ -50,14 +57,7 @@ from .batch import (
     merge_step_outputs,
     split_microbatches,
 )
-from .schedule import (
-    check_schedule,
-    check_stage_count,
-    default_microbatches,
-    local_stages,
-    schedule_class,
-    stage_ranks,
-)
+from .schedule import schedule_class
 from .split import split_blocks, stage_weights
 
 

@@ -15,7 +15,7 @@ from lightning_5d.parallel.pipeline.actions import (
     action_lists,
     simulate,
 )
-from lightning_5d.parallel.pipeline.schedule import stage_ranks
+from lightning_5d.pipeline_shape import stage_ranks
 
 F, B, IG, W = (
     ActionKind.FORWARD,

@@ -4,13 +4,8 @@ import pytest
 
 from lightning_5d import FiveDStrategy
 from lightning_5d.config import LayoutError, PipelineSchedule
-from lightning_5d.parallel.pipeline.schedule import (
-    check_schedule,
-    check_stage_count,
-    local_stages,
-    schedule_class,
-    stage_ranks,
-)
+from lightning_5d.parallel.pipeline.schedule import schedule_class
+from lightning_5d.pipeline_shape import check_schedule, check_stage_count, local_stages, stage_ranks
 
 
 def test_every_schedule_has_a_torch_class():
