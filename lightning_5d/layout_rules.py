@@ -23,11 +23,11 @@ from lightning_5d.pipeline_shape import check_schedule, default_microbatches
 class Rule(str, Enum):
     """Which refusal; the value is the short name ``l5d plan`` prints when it skips candidates."""
 
-    HSDP_ZERO3_CP = "hsdp_zero3_cp"  # fsdp.py: FSDP2 mesh dp_replicate x (dp_shard*cp) not built yet
+    HSDP_ZERO3_CP = "hsdp_zero3_cp"  # parallel/data/fsdp.py: FSDP2 mesh dp_replicate x (dp_shard*cp) not built yet
     EP_SEQUENCE_PARALLEL = "ep_sequence_parallel"  # strategy.py: tp ranks would route different shards
-    ZERO3_SPLIT_BACKWARD = "zero3_split_backward"  # pipeline_loop.py: FSDP2 hooks vs split B/W
+    ZERO3_SPLIT_BACKWARD = "zero3_split_backward"  # parallel/pipeline/loop.py: FSDP2 hooks vs split B/W
     PIPELINE_SCHEDULE = "pipeline_schedule"  # pipeline_shape.check_schedule: schedule vs v and m
-    LOSS_SCALING_PP = "loss_scaling_pp"  # pipeline_loop.py: GradScaler vs the schedule's own backward
+    LOSS_SCALING_PP = "loss_scaling_pp"  # parallel/pipeline/loop.py: GradScaler vs the schedule's own backward
     FP32_ACCUMULATION_PP = "fp32_accumulation_pp"  # strategy.py: schedule sums microbatches in bf16
     FP8_ALL_GATHER_ZERO = "fp8_all_gather_zero"  # strategy.py: only ZeRO-3 all-gathers parameters
 

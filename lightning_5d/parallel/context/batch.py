@@ -3,7 +3,7 @@
 Every tensor shaped ``[b, S, ...]`` (input ids, labels, position ids, masks) is cut along
 dim 1 the same way: zig-zag (``2·cp`` chunks, rank ``r`` holds chunks ``r`` and
 ``2·cp−1−r``) or contiguous. The rank also learns the global positions of its tokens,
-which the model's position embedding must see (``context_positions``).
+which the model's position embedding must see (``positions``).
 
 Labels must arrive aligned with the inputs: a ``training_step`` that shifts
 ``input_ids[:, 1:]`` inside its shard would drop the boundary token of every chunk and

@@ -1,10 +1,10 @@
 """Fused attention on one (Q block, K/V block) pair, returning the block's log-sum-exp.
 
 Context parallelism computes attention block by block and merges the partial results with
-the online softmax (:func:`lightning_5d.parallel.ring_attention.merge_partial`), so a block
+the online softmax (:func:`lightning_5d.parallel.context.ring.merge_partial`), so a block
 kernel must return, besides ``O^(j)``, the rows' ``lse^(j) = log Σ_k exp(S_ik)`` (natural
 log, fp32), and its backward must accept the rows' *final* ``O`` and ``lse`` (see
-:mod:`lightning_5d.parallel.attention_reference` for the derivation). PyTorch's fused SDPA
+:mod:`lightning_5d.parallel.context.reference` for the derivation). PyTorch's fused SDPA
 ops do both without materializing the ``sq × sk`` scores, so transient memory is linear in
 the block length:
 

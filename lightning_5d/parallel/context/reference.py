@@ -1,6 +1,6 @@
 """Pure-math attention on one block, returning the block's log-sum-exp: the oracle of the fused kernels.
 
-Same contract as :mod:`lightning_5d.parallel.attention_kernel`: ``q`` ``[b, hq, sq, d]``,
+Same contract as :mod:`lightning_5d.parallel.context.kernel`: ``q`` ``[b, hq, sq, d]``,
 ``k``/``v`` ``[b, hkv, sk, d]`` with ``hq % hkv == 0`` (grouped-query attention without
 repeating K/V), ``causal`` is the top-left aligned mask ``j ≤ i``. Everything is computed
 in fp32 (fp64 stays fp64) and materializes the ``sq × sk`` score matrix, so it costs

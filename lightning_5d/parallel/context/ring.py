@@ -14,7 +14,7 @@ log-sum-exp ``lse_i^(j)``; two partial results merge exactly with
 
 (the running max/sum rescaling of the online softmax, written in log space). Each block's
 ``(O_i^(j), lse_i^(j))`` comes from a fused attention kernel
-(:mod:`lightning_5d.parallel.attention_kernel`: PyTorch's CPU flash op, CUDA's memory-
+(:mod:`lightning_5d.parallel.context.kernel`: PyTorch's CPU flash op, CUDA's memory-
 efficient op) that never materializes the ``s_local × s_local`` scores; the block kernel
 runs in the input dtype, the merge and the running ``(O_i, lse_i)`` are fp32 (fp64 stays
 fp64).
@@ -41,7 +41,7 @@ computes ``r+1`` blocks: the work is unbalanced.
 Grouped-query attention (fewer KV heads than query heads): K/V keep their own head count
 in the ring buffers (the bytes per hop scale with ``hkv``, not ``hq``); the CPU kernel takes
 them as they are. The pure-math block attention of earlier versions is kept as the tests'
-oracle in :mod:`lightning_5d.parallel.attention_reference`.
+oracle in :mod:`lightning_5d.parallel.context.reference`.
 """
 
 from __future__ import annotations
@@ -410,7 +410,7 @@ def ring_attention(
     mode = ContextParallelMode(mode.value if isinstance(mode, Enum) else mode)
     if mode not in (ContextParallelMode.RING, ContextParallelMode.ALL_GATHER):
         raise ValueError(f"ring_attention runs mode ring or allgather, got {mode.value!r}; for alltoall call "
-                         f"lightning_5d.parallel.ulysses_attention.alltoall_attention")  # fmt: skip
+                         f"lightning_5d.parallel.context.ulysses.alltoall_attention")  # fmt: skip
     zigzag = SequenceSharding(sharding.value if isinstance(sharding, Enum) else sharding) is SequenceSharding.ZIGZAG
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"expected [b, heads, s_local, d] tensors, got q {tuple(q.shape)}, k {tuple(k.shape)}")

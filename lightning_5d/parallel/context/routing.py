@@ -4,14 +4,14 @@ What each step does (the strategy calls :meth:`ContextParallel.begin` with the s
 batch, runs the user's step inside :meth:`ContextParallel.step_region`, and calls
 :meth:`ContextParallel.end` once backward is done):
 
-1. **Batch** (``context_batch``): every ``[b, S, ...]`` tensor is cut along the sequence,
+1. **Batch** (``batch``): every ``[b, S, ...]`` tensor is cut along the sequence,
    zig-zag by default (rank r holds chunks r and 2·cp−1−r of 2·cp) so causal attention
    costs every rank the same.
-2. **Positions** (``context_positions``): the model's position embedding sees each
+2. **Positions** (``positions``): the model's position embedding sees each
    token's global position.
-3. **Attention** (``context_attention``): each block's attention runs
-   :func:`~lightning_5d.parallel.ring_attention.ring_attention` over the cp group.
-4. **Loss and metrics** (``context_loss``): token-weighted means over the whole sequence,
+3. **Attention** (``attention``): each block's attention runs
+   :func:`~lightning_5d.parallel.context.ring.ring_attention` over the cp group.
+4. **Loss and metrics** (``loss``): token-weighted means over the whole sequence,
    identical on every cp rank.
 
 Everything else in the model works per token and needs nothing. The cp ranks hold the

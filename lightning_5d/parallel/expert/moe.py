@@ -1,5 +1,5 @@
 """Expert parallelism: each rank of the ep group keeps E/ep experts of every MoE layer and
-tokens travel to them by all-to-all (``expert_dispatch``).
+tokens travel to them by all-to-all (``dispatch``).
 
 Two shapes of MoE are driven, as discovery reports them (``MoEPlan.experts_kind``):
 

@@ -12,7 +12,7 @@ averaged over the microbatches and logged on every rank. Everything between the
 embedding and the first block (rotary tables, masks) runs on every stage from the same
 batch, which is why nothing but the hidden state has to travel.
 
-The schedules are ``torch.distributed.pipelining``'s (:mod:`.pipeline_schedule`), with
+The schedules are ``torch.distributed.pipelining``'s (:mod:`.schedule`), with
 static stage shapes taken from a probe of the first block's input.
 
 Microbatches and Lightning: one Lightning batch is one pipeline run of m microbatches

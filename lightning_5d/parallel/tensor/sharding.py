@@ -9,7 +9,7 @@ Per block, as in Megatron-LM and the Ultra-Scale Playbook:
 backward; ``g`` sits inside the row-parallel linear, before its bias (added once). With
 ``sequence_parallel`` the residual stream between those regions is cut along the
 sequence: it is scattered at the first block's input and gathered at the last block's
-output, and f/g become all-gather / reduce-scatter (f*, g*; see ``tensor_ops``). The
+output, and f/g become all-gather / reduce-scatter (f*, g*; see ``ops``). The
 gathered input of a region is kept for backward as the rank's shard (``regather``).
 
 Outside the blocks, the token embedding and the output head are cut along the
