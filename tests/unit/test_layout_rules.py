@@ -10,6 +10,7 @@ from omegaconf import OmegaConf, open_dict
 from torch import nn
 
 from lightning_5d.config import Layout, LayoutError, ParallelConfig, PipelineSchedule, ZeroStage
+from lightning_5d.dimensions import check_precision_supported, combination_for
 from lightning_5d.estimate.cli import default_global_batch
 from lightning_5d.estimate.search import combination, enumerate_setups, plan, refused_text
 from lightning_5d.estimate.spec import load_spec
@@ -157,8 +158,9 @@ def _runtime_site(rule: Rule, case: Combination) -> None:
         config = ParallelConfig(pp=case.layout.pp, pipeline={"microbatches": case.microbatches})
         validate_early(config)
     else:
-        strategy = _strategy(case)
-        strategy._check_precision_supported(_precision(case), strategy._combination(_precision(case)))
+        strategy, precision = _strategy(case), _precision(case)
+        combination = combination_for(strategy.config, strategy.layout, precision, loss_scaling=False)
+        check_precision_supported(precision, combination, strategy.config)
 
 
 ERRORS = {
