@@ -12,7 +12,7 @@ import pytest
 from pathlib import Path
 from lightning_5d.testing import run_distributed
 
-SCRIPT = Path(__file__).parents[1] / "scripts" / "ring_attention_check.py"
+SCRIPT = Path(__file__).parents[2] / "scripts" / "ring_attention_check.py"
 TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
 
 

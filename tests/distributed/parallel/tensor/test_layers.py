@@ -21,7 +21,7 @@ import pytest
 
 from lightning_5d.testing import run_distributed
 
-SCRIPT = Path(__file__).parents[1] / "scripts" / "tp_layers_check.py"
+SCRIPT = Path(__file__).parents[2] / "scripts" / "tp_layers_check.py"
 CASES = {
     "column_row",
     "column_row_sp",

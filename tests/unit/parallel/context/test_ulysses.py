@@ -1,4 +1,4 @@
-"""All-to-all (Ulysses) attention: the head-count check (the exchange itself: tests/distributed/parallel)."""
+"""All-to-all (Ulysses) attention: the head-count check (the exchange itself: tests/distributed/parallel/context)."""
 
 import pytest
 import torch

@@ -140,7 +140,7 @@ def test_dualpipev_overlapped_pairs_become_a_forward_then_a_full_backward():
 @pytest.mark.parametrize(
     "schedule,pp,v,m,match",
     [
-        # check_schedule's own cases are in test_pipeline_schedule.py; torch's constructors refuse these
+        # check_schedule's own cases are in test_schedule.py; torch's constructors refuse these
         # too: a LayoutError either way (check_schedule's or torch's, wrapped)
         ("afab", 4, 1, 0, "must be >= 1"),
         ("1f1b", 4, 1, 2, "microbatches=2"),
