@@ -20,7 +20,7 @@ as Megatron-LM and the Ultra-Scale Playbook lay it out:
                              + the vocab-parallel embedding's g (forward) + the head input's f (backward)
                              + the vocab-parallel loss: max, sum of exp, target logit (3T)
     TP + SP  all-gather      per layer 2 forward (f*) + 2 backward (conjugate of g*) + 2 backward
-                             (re-gather of the saved region inputs, lightning_5d/parallel/regather.py)
+                             (re-gather of the saved region inputs, lightning_5d/parallel/tensor/regather.py)
                              + the embedding output's reduce-scatter (its backward) + the head input (forward)
              reduce-scatter  per layer 2 forward (g*) + 2 backward (conjugate of f*)
                              + the embedding output (forward) + the head input's gradient (backward)
@@ -31,7 +31,7 @@ each all-reduce 2(t-1)/t·B, each all-gather / reduce-scatter (t-1)/t·A.
 
 Context parallelism (c ranks share each sequence, no other data parallelism, ZeRO-1 over the
 c ranks as above; L layers; K = 2·b·(s/c)·H·d·4 bytes, one fp32 packed K/V block of the local
-shard, H the heads as ``lightning_5d/parallel/ring_attention.py`` receives them: LlamaLM repeats
+shard, H the heads as ``lightning_5d/parallel/context/ring.py`` receives them: LlamaLM repeats
 K/V to the query heads before attention), per step:
 
     ring        send             per layer (c-1) forward K/V hops + (c-1) backward K/V hops + c dK/dV hops
@@ -421,7 +421,7 @@ def _tp_intro(result: dict) -> list[str]:
         "(one fp32 hidden-state tensor of the micro-batch). Theory: Megatron-LM / the Ultra-Scale Playbook per "
         "block — TP: 2 all-reduces of A forward + 2 backward per layer; TP+SP: 2 all-gathers + 2 reduce-scatters "
         "forward, 2 reduce-scatters + 4 all-gathers backward (2 of them re-gather the saved region inputs, "
-        "`lightning_5d/parallel/regather.py`) — plus the vocab-parallel embedding (all-reduce; with SP "
+        "`lightning_5d/parallel/tensor/regather.py`) — plus the vocab-parallel embedding (all-reduce; with SP "
         "reduce-scatter forward, all-gather backward), the head input (all-reduce of its gradient; with SP "
         "all-gather forward, reduce-scatter backward), the vocab-parallel loss (3 fp32 numbers per token "
         "all-reduced) and, with SP, one all-reduce per norm weight (2L + 1). Collective by collective: "

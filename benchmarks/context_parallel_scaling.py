@@ -331,7 +331,7 @@ def markdown(result: dict) -> str:
         f"allocation pays its page faults). "
         f"*SDPA*: the model's `F.scaled_dot_product_attention` (no-CP). *ring block*: `ring_attention` "
         f"without a process group, i.e. one diagonal L × L block through the fused block kernel "
-        f"(`parallel/attention_kernel.py`, the CPU flash op returning the log-sum-exp), the online-softmax merge "
+        f"(`parallel/context/kernel.py`, the CPU flash op returning the log-sum-exp), the online-softmax merge "
         f"and the backward every cp rank runs on each of its blocks. Targets: ring / SDPA ≤ {KERNEL_TARGET}; "
         f"transient linear in L (not the quadratic score matrix of the last column).",
         "",

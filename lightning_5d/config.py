@@ -302,21 +302,6 @@ def _product_text(sizes: Mapping[str, Any]) -> str:
     return " * ".join(f"{d}={v}" for d, v in sizes.items())
 
 
-def validate_early(config: ParallelConfig) -> None:
-    """Checks that need no world size; run in the strategy's constructor."""
-    pipe = config.pipeline
-    if config.pp > 1:
-        from lightning_5d.parallel.pipeline_schedule import check_schedule, default_microbatches
-
-        v = pipe.virtual_stages
-        check_schedule(pipe.schedule, config.pp, v, pipe.microbatches or default_microbatches(config.pp, v))
-        if pipe.stage_blocks is not None and len(pipe.stage_blocks) != config.pp * v:
-            raise LayoutError(
-                f"pipeline.stage_blocks={pipe.stage_blocks} has {len(pipe.stage_blocks)} entries; pp={config.pp} x "
-                f"virtual_stages={v} needs {config.pp * v} (blocks per stage, in stage order)."
-            )
-
-
 def _changed(section: Any) -> list[str]:
     """The fields of a settings section that differ from their defaults."""
     default = type(section)()

@@ -16,17 +16,18 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Callable
 
-from lightning_5d.config import SPLIT_BACKWARD, Layout, LayoutError, PipelineSchedule, ZeroStage
+from lightning_5d.config import SPLIT_BACKWARD, Layout, LayoutError, ParallelConfig, PipelineSchedule, ZeroStage
+from lightning_5d.pipeline_shape import check_schedule, default_microbatches
 
 
 class Rule(str, Enum):
     """Which refusal; the value is the short name ``l5d plan`` prints when it skips candidates."""
 
-    HSDP_ZERO3_CP = "hsdp_zero3_cp"  # fsdp.py: FSDP2 mesh dp_replicate x (dp_shard*cp) not built yet
+    HSDP_ZERO3_CP = "hsdp_zero3_cp"  # parallel/data/fsdp.py: FSDP2 mesh dp_replicate x (dp_shard*cp) not built yet
     EP_SEQUENCE_PARALLEL = "ep_sequence_parallel"  # strategy.py: tp ranks would route different shards
-    ZERO3_SPLIT_BACKWARD = "zero3_split_backward"  # pipeline_loop.py: FSDP2 hooks vs split B/W
-    PIPELINE_SCHEDULE = "pipeline_schedule"  # pipeline_schedule.check_schedule: schedule vs v and m
-    LOSS_SCALING_PP = "loss_scaling_pp"  # pipeline_loop.py: GradScaler vs the schedule's own backward
+    ZERO3_SPLIT_BACKWARD = "zero3_split_backward"  # parallel/pipeline/loop.py: FSDP2 hooks vs split B/W
+    PIPELINE_SCHEDULE = "pipeline_schedule"  # pipeline_shape.check_schedule: schedule vs v and m
+    LOSS_SCALING_PP = "loss_scaling_pp"  # parallel/pipeline/loop.py: GradScaler vs the schedule's own backward
     FP32_ACCUMULATION_PP = "fp32_accumulation_pp"  # strategy.py: schedule sums microbatches in bf16
     FP8_ALL_GATHER_ZERO = "fp8_all_gather_zero"  # strategy.py: only ZeRO-3 all-gathers parameters
 
@@ -80,10 +81,6 @@ def zero3_split_backward(c: Combination) -> str | None:
 def pipeline_schedule(c: Combination) -> str | None:
     if c.layout.pp == 1:
         return None
-    # check_schedule is the single statement of what torch's schedules accept; imported here
-    # (not at module level) because it pulls in torch.distributed.pipelining.
-    from lightning_5d.parallel.pipeline_schedule import check_schedule, default_microbatches
-
     v = c.virtual_stages
     try:
         check_schedule(c.schedule, c.layout.pp, v, c.microbatches or default_microbatches(c.layout.pp, v))
@@ -138,3 +135,17 @@ def refusal(c: Combination) -> tuple[Rule, str] | None:
         if why is not None:
             return rule, why
     return None
+
+
+def validate_early(config: ParallelConfig) -> None:
+    """Checks that need no world size and no model; run in the strategy's constructor and by
+    ``l5d train`` before any process starts."""
+    pipe = config.pipeline
+    if config.pp > 1:
+        v = pipe.virtual_stages
+        check_schedule(pipe.schedule, config.pp, v, pipe.microbatches or default_microbatches(config.pp, v))
+        if pipe.stage_blocks is not None and len(pipe.stage_blocks) != config.pp * v:
+            raise LayoutError(
+                f"pipeline.stage_blocks={pipe.stage_blocks} has {len(pipe.stage_blocks)} entries; pp={config.pp} x "
+                f"virtual_stages={v} needs {config.pp * v} (blocks per stage, in stage order)."
+            )

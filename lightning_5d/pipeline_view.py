@@ -1,6 +1,6 @@
 """Drawings of a simulated pipeline schedule: a text grid, a PNG, and the ``l5d schedule`` command.
 
-The timeline comes from :mod:`lightning_5d.parallel.pipeline_actions`, i.e. from the action lists
+The timeline comes from :mod:`lightning_5d.parallel.pipeline.actions`, i.e. from the action lists
 torch's schedule objects compute, so the picture is of the schedule the runtime runs. Each drawing
 puts the simulated bubble next to the planner's closed form
 (:func:`lightning_5d.estimate.schedule.bubble_fraction`), labelled, so a gap between them shows.
@@ -17,7 +17,7 @@ from typing import Any
 
 from lightning_5d.config import SPLIT_BACKWARD, LayoutError, PipelineSchedule
 from lightning_5d.estimate.schedule import bubble_fraction
-from lightning_5d.parallel.pipeline_actions import (
+from lightning_5d.parallel.pipeline.actions import (
     ActionCosts,
     ActionKind,
     Interval,
@@ -26,7 +26,7 @@ from lightning_5d.parallel.pipeline_actions import (
     action_lists,
     simulate,
 )
-from lightning_5d.parallel.pipeline_schedule import V_SHAPED, default_microbatches
+from lightning_5d.pipeline_shape import V_SHAPED, default_microbatches
 
 PLOT_EXTRA = "pip install 'lightning_5d[plot]'"
 

@@ -33,7 +33,7 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
 from lightning_5d.fp8.recipes import Fp8Backend, Fp8Recipe
-from lightning_5d.parallel.master_weights import MasterWeights
+from lightning_5d.parallel.data.master_weights import MasterWeights
 
 
 class PrecisionError(ValueError):

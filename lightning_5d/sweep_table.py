@@ -119,7 +119,7 @@ def _job_layout(cfg: DictConfig, row: Row) -> None:
     row.zero = int(parallel.zero)
     pipe = parallel.pipeline
     if resolved.pp > 1:
-        from lightning_5d.parallel.pipeline_schedule import default_microbatches
+        from lightning_5d.pipeline_shape import default_microbatches
 
         v = pipe.virtual_stages
         m = pipe.microbatches or default_microbatches(resolved.pp, v)

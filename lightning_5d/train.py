@@ -110,8 +110,8 @@ def validate(cfg: DictConfig, refuse_combinations: bool = True):
     :class:`~lightning_5d.config.Layout`. ``refuse_combinations=False`` leaves the
     ``layout_rules`` refusals to the caller (``l5d estimate --recipe`` lists them as problems).
     """
-    from lightning_5d.config import LayoutError, ParallelConfig, validate_early
-    from lightning_5d.layout_rules import refusal
+    from lightning_5d.config import LayoutError, ParallelConfig
+    from lightning_5d.layout_rules import refusal, validate_early
 
     devices = _positive_int(cfg, "devices")
     num_nodes = _positive_int(cfg, "num_nodes")
@@ -135,7 +135,7 @@ def validate(cfg: DictConfig, refuse_combinations: bool = True):
     if layout.pp > 1:
         _check_pipeline(cfg, parallel, layout.pp)
     if layout.cp > 1 and "data" in cfg and "seq_len" in cfg.data:
-        from lightning_5d.parallel.context_batch import check_sequence_length
+        from lightning_5d.parallel.context.batch import check_sequence_length
 
         check_sequence_length(_positive_int(cfg.data, "seq_len"), layout.cp, parallel.context.sharding)
     if "precision" in cfg:
@@ -196,8 +196,8 @@ def _check_requeue(cfg: DictConfig) -> None:
 
 def _check_pipeline(cfg: DictConfig, parallel: Any, pp: int) -> None:
     """Blocks per stage and microbatches per batch, here rather than after every rank started."""
-    from lightning_5d.parallel.pipeline_batch import PipelineError
-    from lightning_5d.parallel.pipeline_schedule import check_stage_count, default_microbatches
+    from lightning_5d.parallel.pipeline.batch import PipelineError
+    from lightning_5d.pipeline_shape import check_stage_count, default_microbatches
 
     v = parallel.pipeline.virtual_stages
     m = parallel.pipeline.microbatches or default_microbatches(pp, v)
@@ -248,7 +248,7 @@ def _check_tensor_parallel(model_config: Any, parallel: Any, tp: int) -> None:
     import torch
 
     from lightning_5d.models import LlamaModel
-    from lightning_5d.parallel.tensor import validate_tensor_parallel
+    from lightning_5d.parallel.tensor.sharding import validate_tensor_parallel
     from lightning_5d.plan import discover
 
     with torch.device("meta"):  # shapes only: no memory, no init cost

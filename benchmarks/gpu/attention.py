@@ -42,7 +42,7 @@ def ring_block(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
     The adapter: repoint this when the ring's block function changes. With no process group the
     ring is one rank holding the whole sequence, so exactly one block goes through the block math.
     """
-    from lightning_5d.parallel.ring_attention import ring_attention
+    from lightning_5d.parallel.context.ring import ring_attention
 
     return ring_attention(q, k, v, None, causal=causal)
 
@@ -147,7 +147,7 @@ def markdown(r: dict[str, Any], sizes: Sizes, card: Card) -> list[str]:
     lines = [
         f"One block of L query and L key positions, batch 1, {r['heads']} query / {r['kv_heads']} KV heads of "
         f"{r['head_dim']}, {r['dtype']}; median of the timed calls after a warm-up; peak memory beyond the inputs "
-        "during forward + backward. `ring_block`: `lightning_5d.parallel.ring_attention` on one rank (the block "
+        "during forward + backward. `ring_block`: `lightning_5d.parallel.context.ring` on one rank (the block "
         "kernel every cp rank runs per KV block). No target is set: the figures show what the block kernel costs "
         "against the fused kernel the model uses without cp.",
         "",

@@ -9,7 +9,7 @@ attention forward + backward on ``[1, heads, L, head_dim]`` fp32 tensors shaped 
 reference model passes them (K/V already repeated to the query heads):
 
 - ``sdpa``: what the model runs without context parallelism (``is_causal=True``);
-- ``ring``: ``lightning_5d.parallel.ring_attention.ring_attention`` with no process group,
+- ``ring``: ``lightning_5d.parallel.context.ring.ring_attention`` with no process group,
   i.e. one rank's diagonal block (the whole ``L × L`` causal block) through the fused block
   kernel, online-softmax merge and backward every cp rank runs on each of its blocks.
 
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from lightning_5d.parallel.ring_attention import ring_attention
+from lightning_5d.parallel.context.ring import ring_attention
 
 
 def _status(key: str) -> int:

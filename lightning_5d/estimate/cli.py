@@ -17,21 +17,15 @@ from lightning_5d.config import ActivationCheckpointing, LayoutError, PipelineSc
 from lightning_5d.layout_rules import Rule
 
 from .estimator import estimate
+from .recipe_check import check_recipe_name
 from .report import estimate_json, format_estimate, format_plan, plan_json
 from .search import ALL_DIMS, plan, refused_text
 from .spec import PRESETS, ModelSpecError, load_spec
-from .timing import Cluster
+from .timing import DEFAULT_PEAK_TFLOPS, Cluster
 from .training import AttentionKernel, Precision, StateAccounting, TrainingSetup
 
 DEFAULT_SEQ_LEN = 4096  # the playbook's usual training length; long-context runs say --seq
 DEFAULT_BATCH_TOKENS = 4 * 2**20  # ~4M tokens per step, the playbook's typical LLM global batch
-
-# Dense peak per GPU (H100 SXM) by precision, used when --peak-tflops is not given.
-DEFAULT_PEAK_TFLOPS = {
-    Precision.BF16: 989.0,
-    Precision.FP8: 1979.0,
-    Precision.FP32: 494.0,
-}  # fp32 runs as TF32
 
 
 def _choices(enum_cls) -> list[str]:
@@ -187,8 +181,6 @@ def run_recipe(args: argparse.Namespace) -> int:
     import json
 
     from hydra.errors import HydraException
-
-    from .recipe_check import check_recipe_name
 
     cluster = {} if args.gpu_mem is None else {"gpu_memory_gib": args.gpu_mem}
     try:

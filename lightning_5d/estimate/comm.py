@@ -234,7 +234,7 @@ def comm_per_step(
 def context_parallel_comm(
     spec: ModelSpec, setup: TrainingSetup, layers: int, microbatches: int, full_recompute: bool, link: Link
 ) -> list[CommEntry]:  # fmt: skip
-    """Attention's cp traffic per step for ``setup.cp_mode`` (parallel/ring_attention.py, ulysses_attention.py).
+    """Attention's cp traffic per step for ``setup.cp_mode`` (parallel/context/ring.py, ulysses.py).
 
     Per layer and microbatch, with the local K/V block ``kv = 2·e·s·b·d·g/t`` bytes:
 

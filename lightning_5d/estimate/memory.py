@@ -208,7 +208,7 @@ def buffer_bytes(spec: ModelSpec, setup: TrainingSetup, rank: RankParams) -> dic
     layer = rank.layer_dense + rank.layer_expert
     out: dict[str, float] = {}
     if setup.zero >= ZeroStage.PARAMETERS and setup.zero_group > 1 and setup.pp > 1:
-        # Under a pipeline schedule the units reduce once per run (parallel/pipeline_fsdp.py):
+        # Under a pipeline schedule the units reduce once per run (parallel/pipeline/fsdp.py):
         # until then the rank's full gradients wait unreduced (fp32, FSDP's reduce dtype) and,
         # by the last backward, every layer of the rank is gathered.
         out["zero3_pipeline_held"] = rank.total * (param_b + 4)

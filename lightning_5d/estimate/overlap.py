@@ -8,7 +8,7 @@ slower side the stream runs T from the first piece (ready at W/k). So the stream
     exposed = max(T/k, T - W·(1 - 1/k))
 
 after the window: at least one piece is always on the critical path, and overlap is never
-perfect. The windows, per ZeRO stage, are those of ``lightning_5d/parallel/data.py`` (stages
+perfect. The windows, per ZeRO stage, are those of ``lightning_5d/parallel/data/zero.py`` (stages
 0-2) and FSDP2 (stage 3):
 
 * Z0 gradient all-reduce, Z1 reduce-scatter: once per step, buckets launched as the last

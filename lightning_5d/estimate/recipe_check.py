@@ -45,7 +45,7 @@ from .estimator import Estimate, estimate
 from .flops import training_flops
 from .params import count_params
 from .spec import ModelSpec, spec_from_config_object
-from .timing import GIB, Cluster, StepTime, predict_step_time
+from .timing import DEFAULT_PEAK_TFLOPS, GIB, Cluster, StepTime, predict_step_time
 from .training import Precision, TrainingSetup
 
 # The optional `cluster:` section of a recipe -> Cluster fields (GB/s and TFLOP/s as `l5d plan` takes them).
@@ -211,8 +211,6 @@ def cluster_for(cfg: Any, **overrides: Any) -> Cluster:
         if CLUSTER_KEYS[key] is not None and value is not None:
             name, scale = CLUSTER_KEYS[key]
             fields[name] = float(value) * scale
-    from .cli import DEFAULT_PEAK_TFLOPS  # H100 dense by precision, as `l5d plan` assumes
-
     fields.setdefault("peak_flops", DEFAULT_PEAK_TFLOPS[_precision(cfg.precision)] * 1e12)
     fields.update(overrides)
     return Cluster(gpus=int(cfg.devices) * int(cfg.num_nodes), gpus_per_node=int(cfg.devices), **fields)
@@ -232,7 +230,7 @@ def spec_from_recipe(cfg: Any, name: str | None = None) -> ModelSpec:
 def setup_from_recipe(cfg: Any, layout: Any = None) -> TrainingSetup:
     """The composed config's layout, batch shape and modes as a planner ``TrainingSetup``."""
     from lightning_5d.config import ParallelConfig
-    from lightning_5d.parallel.pipeline_schedule import default_microbatches
+    from lightning_5d.pipeline_shape import default_microbatches
 
     parallel = ParallelConfig.from_mapping(_plain(cfg.parallel))
     if layout is None:
@@ -270,7 +268,7 @@ def setup_from_recipe(cfg: Any, layout: Any = None) -> TrainingSetup:
 def runtime_stage_blocks(spec: ModelSpec, cfg: Any, stages: int) -> list[int]:
     """Blocks per pipeline stage as the runtime cuts them (``parallel.pipeline.balance`` / ``stage_blocks``)."""
     from lightning_5d.config import ParallelConfig
-    from lightning_5d.parallel.pipeline_split import split_blocks, stage_weights
+    from lightning_5d.parallel.pipeline.split import split_blocks, stage_weights
 
     pipeline = ParallelConfig.from_mapping(_plain(cfg.parallel)).pipeline
     counts = count_params(spec)

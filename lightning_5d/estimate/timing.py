@@ -24,8 +24,17 @@ from lightning_5d.config import ZeroStage
 from .comm import DIMENSIONS, Link
 from .estimator import Estimate
 from .overlap import data_parallel_exposed
+from .training import Precision
 
 GIB = 2**30
+
+# Dense peak per GPU (H100 SXM) by precision, used when neither `l5d plan
+# --peak-tflops` nor a recipe's cluster section gives one.
+DEFAULT_PEAK_TFLOPS = {
+    Precision.BF16: 989.0,
+    Precision.FP8: 1979.0,
+    Precision.FP32: 494.0,
+}  # fp32 runs as TF32
 
 
 @dataclass(frozen=True)

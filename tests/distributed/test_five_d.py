@@ -13,7 +13,7 @@ for MoE, where the runtime refuses it (each tp rank would route a different sequ
   differently; test_precision.py measures ~0.1 % per step for bf16 and sets the same 1 %.
 
 ZeRO-1 and ZeRO-3 each run the dense and the MoE model. Under ZeRO-3 each stage's FSDP2
-units hold their gradients for a pipeline run and reduce-scatter once after it (parallel/pipeline_fsdp.py).
+units hold their gradients for a pipeline run and reduce-scatter once after it (parallel/pipeline/fsdp.py).
 
 Wall times on this machine print with the result (pytest -s); the issue note records them.
 """

@@ -94,7 +94,7 @@ def test_default_recipe_is_tiny_tp():
 
 
 def test_tp_that_does_not_fit_the_heads_fails_before_launch():
-    from lightning_5d.parallel.tensor import TensorParallelError
+    from lightning_5d.parallel.tensor.sharding import TensorParallelError
     from lightning_5d.train import compose, validate
 
     with pytest.raises(TensorParallelError, match="tp=8 exceeds the 4 key/value heads"):
@@ -102,7 +102,7 @@ def test_tp_that_does_not_fit_the_heads_fails_before_launch():
 
 
 def test_sequence_that_cp_cannot_cut_fails_before_launch():
-    from lightning_5d.parallel.context import ContextParallelError
+    from lightning_5d.parallel.context.routing import ContextParallelError
     from lightning_5d.train import compose, validate
 
     assert validate(compose(["recipe=tiny_cp"])).cp == 2

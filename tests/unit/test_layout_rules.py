@@ -9,16 +9,17 @@ import pytest
 from omegaconf import OmegaConf, open_dict
 from torch import nn
 
-from lightning_5d.config import Layout, LayoutError, ParallelConfig, PipelineSchedule, ZeroStage, validate_early
+from lightning_5d.config import Layout, LayoutError, ParallelConfig, PipelineSchedule, ZeroStage
+from lightning_5d.dimensions import check_precision_supported, combination_for
 from lightning_5d.estimate.cli import default_global_batch
 from lightning_5d.estimate.search import combination, enumerate_setups, plan, refused_text
 from lightning_5d.estimate.spec import load_spec
 from lightning_5d.estimate.timing import Cluster
 from lightning_5d.estimate.training import TrainingSetup
-from lightning_5d.layout_rules import RULES, Combination, Rule, refusal
-from lightning_5d.parallel.fsdp import fsdp_mesh
-from lightning_5d.parallel.pipeline_batch import PipelineError
-from lightning_5d.parallel.pipeline_loop import check_pipeline_supported
+from lightning_5d.layout_rules import RULES, Combination, Rule, refusal, validate_early
+from lightning_5d.parallel.data.fsdp import fsdp_mesh
+from lightning_5d.parallel.pipeline.batch import PipelineError
+from lightning_5d.parallel.pipeline.loop import check_pipeline_supported
 from lightning_5d.plan.blocks import ModelMappingError
 from lightning_5d.precision import PrecisionError
 from lightning_5d.strategy import FiveDStrategy
@@ -157,8 +158,9 @@ def _runtime_site(rule: Rule, case: Combination) -> None:
         config = ParallelConfig(pp=case.layout.pp, pipeline={"microbatches": case.microbatches})
         validate_early(config)
     else:
-        strategy = _strategy(case)
-        strategy._check_precision_supported(_precision(case), strategy._combination(_precision(case)))
+        strategy, precision = _strategy(case), _precision(case)
+        combination = combination_for(strategy.config, strategy.layout, precision, loss_scaling=False)
+        check_precision_supported(precision, combination, strategy.config)
 
 
 ERRORS = {

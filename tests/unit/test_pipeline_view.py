@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from lightning_5d.parallel.pipeline_actions import ActionCosts, action_lists, simulate
+from lightning_5d.parallel.pipeline.actions import ActionCosts, action_lists, simulate
 from lightning_5d.pipeline_view import render_png, render_text
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

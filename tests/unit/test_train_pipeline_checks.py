@@ -3,7 +3,7 @@
 import pytest
 
 from lightning_5d.config import LayoutError
-from lightning_5d.parallel.pipeline_batch import PipelineError
+from lightning_5d.parallel.pipeline.batch import PipelineError
 from lightning_5d.train import compose, validate
 
 

@@ -20,7 +20,7 @@ from lightning_5d.collectives import CollectiveCounter
 from lightning_5d.config import ExpertConfig, ParallelConfig
 from lightning_5d.mesh import ParallelMesh
 from lightning_5d.models.llama import LlamaLM
-from lightning_5d.parallel.expert import ExpertParallel
+from lightning_5d.parallel.expert.moe import ExpertParallel
 from lightning_5d.plan import discover
 from lightning_5d.testing import leave_process_group
 from tests_support import MODELS

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import lightning_5d
 from hf_support import CausalLM
 from lightning_5d.config import LayoutError
-from lightning_5d.parallel.expert import ExpertParallelError
+from lightning_5d.parallel.expert.moe import ExpertParallelError
 from lightning_5d.process_exit import _EXIT
 from lightning_5d.testing import leave_process_group
 from tests_support import RecordReturned, make_datamodule

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lightning_5d.parallel.ring_attention import contiguous_shard, ring_attention, zigzag_shard
-from lightning_5d.parallel.ulysses_attention import alltoall_attention
+from lightning_5d.parallel.context.ring import contiguous_shard, ring_attention, zigzag_shard
+from lightning_5d.parallel.context.ulysses import alltoall_attention
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")

@@ -18,8 +18,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from lightning_5d.accounting import SavedActivationMeter
 from lightning_5d.collectives import CollectiveCounter
 from lightning_5d.models.llama import LlamaConfig, LlamaModel
-from lightning_5d.parallel.tensor import TensorParallel
-from lightning_5d.parallel.vocab import loss_parallel_region
+from lightning_5d.parallel.tensor.sharding import TensorParallel
+from lightning_5d.parallel.tensor.vocab import loss_parallel_region
 from lightning_5d.plan import discover
 from lightning_5d.testing import leave_process_group
 

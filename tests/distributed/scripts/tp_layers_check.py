@@ -28,9 +28,10 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_5d.parallel import grad_norm, vocab
-from lightning_5d.parallel.tensor import TensorShard
-from lightning_5d.parallel.tensor_ops import (
+from lightning_5d.parallel import grad_norm
+from lightning_5d.parallel.tensor import vocab
+from lightning_5d.parallel.tensor.sharding import TensorShard
+from lightning_5d.parallel.tensor.ops import (
     copy_to_tp,
     gather_from_sequence_parallel,
     gather_into_tp,
@@ -38,7 +39,7 @@ from lightning_5d.parallel.tensor_ops import (
     reduce_scatter_from_tp,
     scatter_to_sequence_parallel,
 )
-from lightning_5d.parallel.vocab import (
+from lightning_5d.parallel.tensor.vocab import (
     loss_parallel_region,
     vocab_parallel_embedding_forward,
     vocab_range,

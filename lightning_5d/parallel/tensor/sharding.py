@@ -1,0 +1,389 @@
+"""Tensor parallelism (+ sequence parallelism) of an unchanged model, driven by its ModelPlan.
+
+Per block, as in Megatron-LM and the Ultra-Scale Playbook:
+
+    attention:  f -> q, k, v column-parallel (heads split over tp) -> attention -> o row-parallel -> g
+    MLP:        f -> up/gate (fc1) column-parallel -> activation -> down (fc2) row-parallel -> g
+
+``f`` sits on the attention / MLP module's input, so q, k and v share one all-reduce in
+backward; ``g`` sits inside the row-parallel linear, before its bias (added once). With
+``sequence_parallel`` the residual stream between those regions is cut along the
+sequence: it is scattered at the first block's input and gathered at the last block's
+output, and f/g become all-gather / reduce-scatter (f*, g*; see ``ops``). The
+gathered input of a region is kept for backward as the rank's shard (``regather``).
+
+Outside the blocks, the token embedding and the output head are cut along the
+vocabulary (``vocab``), and the head's logits stay vocabulary-sharded.
+
+The module is changed in place and keeps its classes and parameter names: column and
+row linears get smaller ``weight``/``bias`` Parameters and matching ``in_features`` /
+``out_features`` (``nx``/``nf`` for GPT-2's Conv1D); row linears and the embedding get a
+forward that adds their collective; attention attributes holding a full head count
+(``ModelPlan``'s ``head_attributes``) are divided by tp. Parameters are plain local
+tensors, so ZeRO-1/2 and FSDP2 over the data ranks compose without knowing about TP;
+:class:`TensorShard` records how each was cut, to rebuild full tensors for checkpoints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from lightning_5d.config import LayoutError
+from lightning_5d.parallel.tensor import ops as tensor_ops
+from lightning_5d.parallel.tensor.regather import RegatherRegion
+from lightning_5d.parallel.tensor.vocab import vocab_parallel_embedding_forward, vocab_range
+from lightning_5d.plan.model_plan import ModelPlan, Projection, ProjectionKind
+
+
+class TensorParallelError(LayoutError):
+    """The model's shapes do not divide by tp; the message names the number and valid tp values."""
+
+
+@dataclass(frozen=True)
+class TensorShard:
+    """How a rank's tensor is cut from the full one: along ``dim``, each of the fused
+    ``segments`` (full sizes along ``dim``; one segment if empty) into ``tp`` pieces."""
+
+    dim: int
+    segments: tuple[int, ...] = ()
+
+    def _pieces(self, full_size: int) -> list[int]:
+        return list(self.segments) or [full_size]
+
+    def take(self, full: Tensor, rank: int, size: int) -> Tensor:
+        parts = full.split(self._pieces(full.size(self.dim)), dim=self.dim)
+        return torch.cat([part.chunk(size, dim=self.dim)[rank] for part in parts], dim=self.dim)
+
+    def assemble(self, locals_: list[Tensor]) -> Tensor:
+        size = len(locals_)
+        full_size = locals_[0].size(self.dim) * size
+        per_rank = [p // size for p in self._pieces(full_size)]
+        split = [t.split(per_rank, dim=self.dim) for t in locals_]
+        return torch.cat([torch.cat([s[i] for s in split], dim=self.dim) for i in range(len(per_rank))], dim=self.dim)
+
+    def gather(self, local: Tensor, group: dist.ProcessGroup, device: torch.device) -> Tensor:
+        size = dist.get_world_size(group)
+        local_dev = local.to(device).reshape(-1)
+        buf = torch.empty(size * local_dev.numel(), dtype=local.dtype, device=device)
+        dist.all_gather_single(buf, local_dev, group=group)
+        return self.assemble([t.view(local.shape) for t in buf.chunk(size)]).to(local.device)
+
+
+def _column_shard(p: Projection) -> TensorShard:
+    return TensorShard(dim=1 if p.kind is ProjectionKind.CONV1D else 0, segments=p.segments)
+
+
+def _row_shard(p: Projection) -> TensorShard:
+    return TensorShard(dim=0 if p.kind is ProjectionKind.CONV1D else 1)
+
+
+def _out_features(module: nn.Module, p: Projection) -> int:
+    return module.weight.size(1 if p.kind is ProjectionKind.CONV1D else 0)
+
+
+def _in_features(module: nn.Module, p: Projection) -> int:
+    return module.weight.size(0 if p.kind is ProjectionKind.CONV1D else 1)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate_tensor_parallel(plan: ModelPlan, root: nn.Module, tp: int) -> None:
+    """Every shape TP cuts must divide by ``tp``; raised before anything is changed."""
+    if tp == 1:
+        return
+
+    def need(value: int, what: str) -> None:
+        if value % tp:
+            fits = [d for d in _divisors(value) if d > 1]
+            raise TensorParallelError(
+                f"tp={tp} does not divide {what}={value}; use tp in {fits or [1]} "
+                f"(or tp=1 and another dimension for these ranks)."
+            )
+
+    need(plan.vocab_size, "vocab_size")
+    for i, block_plan in enumerate(plan.block_plans):
+        att = block_plan.attention
+        where = f"block {plan.block_path(i)}"
+        if att.num_kv_heads and att.num_kv_heads < tp:
+            raise TensorParallelError(
+                f"tp={tp} exceeds the {att.num_kv_heads} key/value heads of {where} (grouped-query "
+                f"attention): each rank needs at least one whole kv head. Use tp in "
+                f"{_divisors(att.num_kv_heads)}; put the other ranks in dp or cp."
+            )
+        need(att.num_heads, f"num_heads of {where}")
+        if att.num_kv_heads:
+            need(att.num_kv_heads, f"num_kv_heads of {where}")
+        block = root.get_submodule(plan.block_path(i))
+        mlp_col = block_plan.mlp.column if block_plan.mlp else ()
+        mlp_row = block_plan.mlp.row if block_plan.mlp else ()
+        for p in att.column + mlp_col:
+            for seg in p.segments or (_out_features(block.get_submodule(p.path), p),):
+                need(seg, f"the output features of {where}.{p.path}")
+        for p in att.row + mlp_row:
+            need(_in_features(block.get_submodule(p.path), p), f"the input features of {where}.{p.path}")
+
+
+def _map_hidden_states(args: tuple, kwargs: dict, fn: Callable[[Tensor], Tensor], where: str) -> tuple[tuple, dict]:
+    """Apply ``fn`` to the hidden-states argument of a block/attention/MLP call."""
+    if args and isinstance(args[0], Tensor):
+        return (fn(args[0]), *args[1:]), kwargs
+    for name in ("hidden_states", "x", "input", "hidden", "h"):
+        if isinstance(kwargs.get(name), Tensor):
+            return args, {**kwargs, name: fn(kwargs[name])}
+    raise RuntimeError(
+        f"tensor parallelism could not find the hidden-states argument of {where} (no tensor as first "
+        f"positional argument nor a `hidden_states`/`x` keyword); map this module in `model_plan`."
+    )
+
+
+def _map_first_output(output: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    if isinstance(output, Tensor):
+        return fn(output)
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor):
+        return type(output)([fn(output[0]), *output[1:]])
+    raise RuntimeError(f"sequence parallelism expected a block to return a tensor, got {type(output).__name__}.")
+
+
+def _row_forward(module: nn.Module, kind: ProjectionKind, reduce: Callable[[Tensor], Tensor]):
+    """A row-parallel forward: partial matmul, the collective, then the bias once."""
+
+    def forward(x: Tensor) -> Tensor:
+        if kind is ProjectionKind.CONV1D:
+            y = torch.mm(x.reshape(-1, x.size(-1)), module.weight).view(*x.shape[:-1], module.weight.size(1))
+        else:
+            fp8_matmul = getattr(module, "matmul_no_bias", None)  # an FP8 linear keeps its own GEMM
+            y = fp8_matmul(x) if fp8_matmul is not None else F.linear(x, module.weight)
+        y = reduce(y)
+        return y if module.bias is None else y + module.bias
+
+    return forward
+
+
+class TensorParallel:
+    """Applies TP/SP to ``root`` following ``plan``; keeps what checkpoints and clipping need."""
+
+    def __init__(self, root: nn.Module, plan: ModelPlan, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+        self.plan = plan
+        self.mesh = tp_mesh
+        self.group = tp_mesh.get_group()
+        self.size = tp_mesh.size()
+        self.rank = tp_mesh.get_local_rank()
+        self.sequence_parallel = sequence_parallel
+        self.device = next(root.parameters()).device
+        validate_tensor_parallel(plan, root, self.size)
+        # Parameter names (every alias of a tied parameter) -> how that parameter was cut.
+        self.shards: dict[str, TensorShard] = {}
+        # Names of replicated parameters used only on a sequence shard: their gradients are
+        # partial sums over the TP ranks and must be summed (sequence parallelism only).
+        self.sequence_partial: set[str] = set()
+        self._replaced: dict[int, nn.Parameter] = {}  # id of a full parameter -> its shard
+        self._cut_of: dict[int, TensorShard] = {}  # id of a shard -> how it was cut
+        self._hooks: list = []
+        self._apply(root)
+
+    # ------------------------------------------------------------------ sharding
+    def _shard_param(self, module: nn.Module, name: str, shard: TensorShard) -> None:
+        old = getattr(module, name)
+        new = self._replaced.get(id(old))
+        if new is None:
+            local = shard.take(old.detach(), self.rank, self.size).clone()
+            new = nn.Parameter(local, requires_grad=old.requires_grad)
+            self._replaced[id(old)] = new
+            self._cut_of[id(new)] = shard
+        setattr(module, name, new)
+
+    def _column(self, block: nn.Module, p: Projection) -> None:
+        module = block.get_submodule(p.path)
+        shard = _column_shard(p)
+        self._shard_param(module, "weight", shard)
+        if getattr(module, "bias", None) is not None:
+            self._shard_param(module, "bias", TensorShard(0, p.segments))
+        self._set_width(module, ("out_features", "nf"), _out_features(module, p))
+
+    def _row(self, block: nn.Module, p: Projection) -> None:
+        module = block.get_submodule(p.path)
+        self._shard_param(module, "weight", _row_shard(p))
+        self._set_width(module, ("in_features", "nx"), _in_features(module, p))
+        if self.sequence_parallel:
+            reduce = lambda y: tensor_ops.reduce_scatter_from_tp(y, self.group)  # noqa: E731
+        else:
+            reduce = lambda y: tensor_ops.reduce_from_tp(y, self.group)  # noqa: E731
+        module.forward = _row_forward(module, p.kind, reduce)
+
+    @staticmethod
+    def _set_width(module: nn.Module, names: Iterable[str], value: int) -> None:
+        for name in names:
+            if isinstance(getattr(module, name, None), int):
+                setattr(module, name, value)
+
+    def _enter_region(self, module: nn.Module, where: str) -> None:
+        """f (or f*) on the input of an attention / MLP / head module."""
+        if self.sequence_parallel and where != "head":
+            region = RegatherRegion()
+
+            def gather(shard: Tensor) -> Tensor:
+                gathered = tensor_ops.gather_into_tp(shard, self.group)
+                region.enter(gathered, shard, seq_dim=1, group=self.group)
+                return gathered
+
+            fn = gather
+            self._hooks.append(module.register_forward_hook(lambda *_: region.exit()))
+        else:
+            fn = lambda x: tensor_ops.copy_to_tp(x, self.group)  # noqa: E731
+        self._hooks.append(
+            module.register_forward_pre_hook(
+                lambda _m, args, kwargs: _map_hidden_states(args, kwargs, fn, where), with_kwargs=True
+            )
+        )
+
+    def _apply(self, root: nn.Module) -> None:
+        plan = self.plan
+        for i, block_plan in enumerate(plan.block_plans):
+            block = root.get_submodule(plan.block_path(i))
+            att = block_plan.attention
+            for p in att.column:
+                self._column(block, p)
+            self._row(block, att.o)
+            attention = block.get_submodule(att.path)
+            for attr in att.head_attributes:
+                setattr(attention, attr, getattr(attention, attr) // self.size)
+            self._enter_region(attention, f"{plan.block_path(i)}.{att.path}")
+            if block_plan.mlp is not None:
+                for p in block_plan.mlp.column:
+                    self._column(block, p)
+                for p in block_plan.mlp.row:
+                    self._row(block, p)
+                self._enter_region(
+                    block.get_submodule(block_plan.mlp.path), f"{plan.block_path(i)}.{block_plan.mlp.path}"
+                )
+            # An MoE feed-forward stays replicated over tp: token-wise, so it is exact on a
+            # replicated input and, under SP, on the rank's sequence shard.
+            if self.sequence_parallel:
+                self._mark_sequence_partial(block, plan.block_path(i), block_plan)
+        self._shard_vocab(root)
+        if self.sequence_parallel and plan.num_blocks:
+            first = root.get_submodule(plan.block_path(0))
+            last = root.get_submodule(plan.block_path(plan.num_blocks - 1))
+            scatter = lambda x: tensor_ops.scatter_to_sequence_parallel(x, self.group)  # noqa: E731
+            gather = lambda x: tensor_ops.gather_from_sequence_parallel(x, self.group)  # noqa: E731
+            self._hooks.append(
+                first.register_forward_pre_hook(
+                    lambda _m, args, kwargs: _map_hidden_states(args, kwargs, scatter, plan.block_path(0)),
+                    with_kwargs=True,
+                )
+            )
+            self._hooks.append(last.register_forward_hook(lambda _m, _i, out: _map_first_output(out, gather)))
+        self._record_names(root)
+
+    def _mark_sequence_partial(self, block: nn.Module, prefix: str, block_plan) -> None:
+        inside = [block_plan.attention.path] + ([block_plan.mlp.path] if block_plan.mlp else [])
+        rows = [p.path for p in block_plan.attention.row + (block_plan.mlp.row if block_plan.mlp else ())]
+        for name, _ in block.named_parameters():
+            in_region = any(name.startswith(path + ".") for path in inside)
+            row_bias = any(name == f"{path}.bias" for path in rows)
+            if row_bias or not in_region:
+                self.sequence_partial.add(f"{prefix}.{name}")
+
+    def _shard_vocab(self, root: nn.Module) -> None:
+        plan = self.plan
+        embedding = root.get_submodule(plan.embedding)
+        vocab = plan.vocab_size
+        start, _ = vocab_range(vocab, self.rank, self.size)
+        rows = TensorShard(0)
+        self._shard_param(embedding, "weight", rows)
+        self._set_width(embedding, ("num_embeddings",), vocab // self.size)
+        embedding.forward = lambda ids: vocab_parallel_embedding_forward(embedding, ids, start, self.group)
+        if plan.head is None:
+            return
+        head = root.get_submodule(plan.head)
+        self._shard_param(head, "weight", rows)
+        if getattr(head, "bias", None) is not None:
+            self._shard_param(head, "bias", rows)
+        self._set_width(head, ("out_features",), vocab // self.size)
+        self._enter_region(head, "head")
+        mesh = self.mesh
+        self._hooks.append(
+            head.register_forward_hook(
+                lambda _m, _i, out: DTensor.from_local(out, mesh, [Shard(out.ndim - 1)], run_check=False)
+            )
+        )
+
+    def _record_names(self, root: nn.Module) -> None:
+        for name, param in root.named_parameters(remove_duplicate=False):
+            if id(param) in self._cut_of:
+                self.shards[name] = self._cut_of[id(param)]
+
+    # ------------------------------------------------------------------ gradients
+    def register_sequence_parallel_grad_hooks(self, root: nn.Module) -> None:
+        """Sum the partial gradients of sequence-sharded replicated parameters as they are made
+        (before accumulation, so micro-batches add up). Not for FSDP2, which replaces the
+        parameters: there :meth:`sync_sequence_parallel_grads` runs after the backward."""
+        group = self.group
+
+        def hook(grad: Tensor) -> Tensor:
+            grad = grad.clone()
+            dist.all_reduce(grad, group=group)
+            return grad
+
+        params = dict(root.named_parameters())
+        for name in sorted(self.sequence_partial):
+            if name in params and params[name].requires_grad:
+                self._hooks.append(params[name].register_hook(hook))
+
+    def sync_sequence_parallel_grads(self, root: nn.Module) -> None:
+        grads = []
+        for name, p in root.named_parameters():
+            if name in self.sequence_partial and p.grad is not None:
+                grads.append(p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad)
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.group)
+        for g, piece in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(piece.view_as(g))
+
+    def is_sharded(self, name: str) -> bool:
+        return name in self.shards
+
+    # ------------------------------------------------------------------ checkpoints
+    def full_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A model state dict of local shards -> full tensors (collective over tp)."""
+        return {k: self._full(k, v) for k, v in state.items()}
+
+    def local_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A full model state dict -> this rank's shards (no communication)."""
+        return {k: self._local(k, v) for k, v in state.items()}
+
+    def full_optimizer_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A name-keyed optimizer state (torch's full format) with local shards -> full."""
+        return {**state, "state": {n: {k: self._full(n, v) for k, v in s.items()} for n, s in state["state"].items()}}
+
+    def local_optimizer_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        return {**state, "state": {n: {k: self._local(n, v) for k, v in s.items()} for n, s in state["state"].items()}}
+
+    def _full(self, name: str, value: Any) -> Any:
+        shard = self.shards.get(name)
+        if shard is None or not isinstance(value, Tensor) or value.dim() == 0:
+            return value
+        return shard.gather(value, self.group, self.device)
+
+    def _local(self, name: str, value: Any) -> Any:
+        shard = self.shards.get(name)
+        if shard is None or not isinstance(value, Tensor) or value.dim() == 0:
+            return value
+        return shard.take(value, self.rank, self.size).clone()
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
