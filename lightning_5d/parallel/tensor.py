@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor, Shard
 from lightning_5d.config import LayoutError
 from lightning_5d.parallel import tensor_ops
 from lightning_5d.parallel.regather import RegatherRegion
-from lightning_5d.parallel.vocab import vocab_parallel_embedding_forward, vocab_range
+from lightning_5d.parallel.vocab import vocab_parallel_forward, vocab_range
 from lightning_5d.plan.model_plan import ModelPlan, Projection, ProjectionKind
 
 
@@ -302,7 +302,7 @@ class TensorParallel:
         rows = TensorShard(0)
         self._shard_param(embedding, "weight", rows)
         self._set_width(embedding, ("num_embeddings",), vocab // self.size)
-        embedding.forward = lambda ids: vocab_parallel_embedding_forward(embedding, ids, start, self.group)
+        embedding.forward = vocab_parallel_forward(embedding, start, self.group)
         if plan.head is None:
             return
         head = root.get_submodule(plan.head)
