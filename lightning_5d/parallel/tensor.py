@@ -40,7 +40,7 @@ from lightning_5d.config import LayoutError
 from lightning_5d.parallel import tensor_ops
 from lightning_5d.parallel.regather import RegatherRegion
 from lightning_5d.parallel.vocab import vocab_parallel_forward, vocab_range
-from lightning_5d.plan.model_plan import ModelPlan, Projection, ProjectionKind
+from lightning_5d.plan.model_plan import ColumnLayout, ModelPlan, Projection, ProjectionKind
 
 
 class TensorParallelError(LayoutError):
@@ -127,6 +127,13 @@ def validate_tensor_parallel(plan: ModelPlan, root: nn.Module, tp: int) -> None:
         mlp_col = block_plan.mlp.column if block_plan.mlp else ()
         mlp_row = block_plan.mlp.row if block_plan.mlp else ()
         for p in att.column + mlp_col:
+            if p.layout is ColumnLayout.UNKNOWN:
+                raise TensorParallelError(
+                    f"tp={tp} cannot cut {where}.{p.path}: the probe forward found its fused output features in an "
+                    f"order that is neither [q|k|v] / [gate|up] side by side nor interleaved per head, so no "
+                    f"column split keeps each rank's heads whole. Split it into separate linears, or use tp=1 "
+                    f"(cp, pp and ZeRO do not cut projections)."
+                )
             for seg in p.segments or (_out_features(block.get_submodule(p.path), p),):
                 need(seg, f"the output features of {where}.{p.path}")
         for p in att.row + mlp_row:

@@ -20,6 +20,7 @@ from lightning_5d.plan.hints import BlockHints, TopHints
 from lightning_5d.plan.model_plan import (
     AttentionPlan,
     BlockPlan,
+    ColumnLayout,
     MLPPlan,
     ModelPlan,
     MoEPlan,
@@ -124,7 +125,8 @@ def _block_plan(root: nn.Module, top: TopHints, index: int, hints: BlockHints, n
 
 
 def _projection(block: nn.Module, path: str, segments: tuple[int, ...] = ()) -> Projection:
-    return Projection(path, kinds.projection_kind(block.get_submodule(path)), segments)
+    layout = ColumnLayout.SEGMENTS if segments else ColumnLayout.PLAIN
+    return Projection(path, kinds.projection_kind(block.get_submodule(path)), segments, layout)
 
 
 def _attention_plan(block: nn.Module, where: str, hints: BlockHints, notes: list[str]) -> AttentionPlan:
@@ -264,9 +266,21 @@ def _mlp_plan(block: nn.Module, where: str, hints: BlockHints) -> MLPPlan | None
     layers = hints.mlp_column + hints.mlp_row
     return MLPPlan(
         path=hints.mlp if hints.mlp is not None else paths.common_parent(layers),
-        column=tuple(_projection(block, p) for p in hints.mlp_column),
+        column=tuple(_projection(block, p, _gate_up_segments(block, p, hints)) for p in hints.mlp_column),
         row=tuple(_projection(block, p) for p in hints.mlp_row),
     )
+
+
+def _gate_up_segments(block: nn.Module, column: str, hints: BlockHints) -> tuple[int, ...]:
+    """``(I, I)`` for the one column projection of an MLP that is twice as wide as its row
+    projections take: a fused ``[gate | up]`` (``gate, up = proj(x).chunk(2, -1)``, the common
+    order; the probe in :mod:`lightning_5d.plan.observe` checks it when it can run the model)."""
+    if len(hints.mlp_column) != 1:
+        return ()
+    width = sum(kinds.in_features(block.get_submodule(r)) for r in hints.mlp_row)
+    if _width(block, column) == 2 * width:
+        return (width, width)
+    return ()
 
 
 def _moe_plan(root: nn.Module, block: nn.Module, where: str, hints: BlockHints, notes: list[str]) -> MoEPlan | None:
