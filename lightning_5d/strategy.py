@@ -543,6 +543,8 @@ class FiveDStrategy(ParallelStrategy):
     def _run_step(self, step: Callable[..., Any], args: tuple, kwargs: dict, keep_shard: bool = False) -> Any:
         if self._cp is not None and args:
             args = (self._cp.begin(args[0]), *args[1:])
+        if self._fsdp_units and self._fsdp_units[-1] is self.lightning_module:
+            step = self._through_forward(step)
         try:
             with self._step_region():
                 out = step(*args, **kwargs)
@@ -553,6 +555,33 @@ class FiveDStrategy(ParallelStrategy):
         if self._cp is not None and not keep_shard:
             self._cp.end()
         return out
+
+    def _through_forward(self, step: Callable[..., Any]) -> Callable[..., Any]:
+        """``step`` called from inside the LightningModule's ``__call__`` (Lightning's forward
+        redirection), for a module that is itself the outermost ZeRO-3 unit: FSDP2 gathers the
+        parameters it holds directly (embedding, norm, head) in its forward hooks."""
+        module = self.lightning_module
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            own = vars(module).get("forward")  # an instance-level forward, if the module had one
+
+            def restore() -> None:
+                if own is None:
+                    vars(module).pop("forward", None)
+                else:
+                    module.forward = own
+
+            def forward(*a: Any, **k: Any) -> Any:
+                restore()  # the step's own self(...) calls reach the real forward
+                return step(*a, **k)
+
+            module.forward = forward
+            try:
+                return module(*args, **kwargs)
+            finally:
+                restore()
+
+        return run
 
     def _pipeline_step(self, mode: PipelineMode, step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """One Lightning batch as one pipeline run; the user's step runs per microbatch on each stage."""

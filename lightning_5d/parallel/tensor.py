@@ -40,6 +40,8 @@ from lightning_5d.config import LayoutError
 from lightning_5d.parallel import tensor_ops
 from lightning_5d.parallel.regather import RegatherRegion
 from lightning_5d.parallel.vocab import vocab_parallel_forward, vocab_range
+from lightning_5d.plan import paths
+from lightning_5d.plan.blocks import ModelMappingError
 from lightning_5d.plan.model_plan import ColumnLayout, ModelPlan, Projection, ProjectionKind
 
 
@@ -114,6 +116,14 @@ def validate_tensor_parallel(plan: ModelPlan, root: nn.Module, tp: int) -> None:
     for i, block_plan in enumerate(plan.block_plans):
         att = block_plan.attention
         where = f"block {plan.block_path(i)}"
+        if not att.num_heads:
+            pattern = paths.join(plan.blocks, "*", att.path)
+            raise ModelMappingError(
+                f"tp={tp} splits attention by heads, but no head count is known for {plan.block_path(i)}.{att.path} "
+                f"(the module keeps none and no config declares num_attention_heads / num_heads / n_head). "
+                f"Give it in the strategy's model_plan, e.g. model_plan={{{pattern!r}: 'attention(heads=<N>)'}} "
+                f"(add kv_heads=<K> for grouped-query attention), or use tp=1."
+            )
         if att.num_kv_heads and att.num_kv_heads < tp:
             raise TensorParallelError(
                 f"tp={tp} exceeds the {att.num_kv_heads} key/value heads of {where} (grouped-query "

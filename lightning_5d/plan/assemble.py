@@ -90,8 +90,8 @@ def _missing_top(root: nn.Module, top: TopHints) -> list[str]:
         missing.append(f"no token embedding found in {type(root).__name__} (an nn.Embedding outside the blocks)")
     if top.blocks is None:
         missing.append(
-            f"no transformer blocks found in {type(root).__name__} (an nn.ModuleList of "
-            f"identical blocks); its children: {_children(root)}"
+            f"no transformer blocks found in {type(root).__name__} (an nn.ModuleList, or an "
+            f"nn.ModuleDict keyed '0', '1', ..., of identical blocks); its children: {_children(root)}"
         )
     return missing
 
@@ -150,14 +150,18 @@ def _attention_plan(block: nn.Module, where: str, hints: BlockHints, notes: list
             f"(children: {_children(block.get_submodule(attention_path))})"
         )
     if hints.num_heads is None:
-        raise _Unmappable(
-            f"no head count for attention {paths.join(where, attention_path)}: neither the "
-            f"module nor a config declares num_heads / num_attention_heads / n_head"
+        # Only tensor parallelism cuts by heads (it refuses a plan without them); cp, pp,
+        # FP8 and ZeRO never read a head count, so its absence is a note, not an error.
+        layout = HeadLayout(0, 0, 0)
+        notes.append(
+            f"no head count for attention {attention_path} (the module and its configs declare none); "
+            f"tensor parallelism needs one: attention(heads=...)"
         )
-    layout = _head_layout(block, where, hints)
+    else:
+        layout = _head_layout(block, where, hints)
+        _check_output_width(block, where, hints.o, layout)
     if layout.note:
         notes.append(f"attention {attention_path}: {layout.note}")
-    _check_output_width(block, where, hints.o, layout)
     attention = block.get_submodule(attention_path)
     return AttentionPlan(
         path=attention_path,

@@ -148,6 +148,9 @@ class ModelPlan:
     head: str | None = None  # the output projection (lm_head); None for a headless model
     position_embedding: str | None = None  # learned absolute positions (GPT-2's wpe)
     tied_head: bool = False  # head.weight is embedding.weight
+    # Observed by the probe: whether the last token's output changes when the tokens before it
+    # are reordered (False: no position information at all, NoPE; None: not observed).
+    uses_positions: bool | None = None
     notes: tuple[str, ...] = field(default=())  # what the detector assumed, for describe()
 
     @property
@@ -158,7 +161,8 @@ class ModelPlan:
         return f"{self.blocks}.{index}" if self.blocks else str(index)
 
     def blocks_of(self, root: nn.Module) -> list[nn.Module]:
-        return list(root.get_submodule(self.blocks))
+        # children(), not iteration: an nn.ModuleDict of blocks iterates over its keys.
+        return list(root.get_submodule(self.blocks).children())
 
     @property
     def has_moe(self) -> bool:

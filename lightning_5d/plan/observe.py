@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from lightning_5d.plan import paths
 from lightning_5d.plan.model_plan import AttentionPlan, BlockPlan, ColumnLayout, MLPPlan, ModelPlan, Projection
@@ -41,12 +42,14 @@ class _Capture:
 
 
 def observe(root: nn.Module, plan: ModelPlan) -> ModelPlan:
-    """``plan`` with the layout of every fused projection set from what the forward does."""
+    """``plan`` with the layout of every fused projection set from what the forward does,
+    and whether the model uses token positions at all."""
+    if any(p.is_meta for p in root.parameters()):
+        return _noted(plan, "fused projection layouts not observed (weights on the meta device); assumed")
+    plan = replace(plan, uses_positions=_uses_positions(root, plan))
     targets = _targets(plan)
     if not targets:
         return plan
-    if any(p.is_meta for p in root.parameters()):
-        return _noted(plan, "fused projection layouts not observed (weights on the meta device); assumed")
     captures = {key: _Capture() for key in targets}
     with _hooks(root, plan, targets, captures), _eval(root), torch.enable_grad():
         _run(root, plan)
@@ -127,6 +130,60 @@ def _eval(root: nn.Module) -> Iterator[None]:
     finally:
         for m, training in modes.items():
             m.training = training
+
+
+def _uses_positions(root: nn.Module, plan: ModelPlan) -> bool | None:
+    """False only when nothing in the model could carry a position: no position embedding, no
+    tensor held outside the parameters (a RoPE cos/sin or freqs cache, a learned table), and no
+    ``torch.arange`` during a forward (positions built on the fly). None: it may use positions."""
+    if plan.position_embedding is not None:
+        return True
+    for module in root.modules():
+        held = [*module.buffers(recurse=False), *(v for v in vars(module).values() if isinstance(v, Tensor))]
+        if held:
+            return None
+    watch = _Aranges()
+    with _eval(root), torch.no_grad(), watch:
+        ran = _model_output(root, plan, torch.zeros(1, 8, dtype=torch.long))
+    if ran is None or watch.calls:
+        return None
+    return False
+
+
+class _Aranges(TorchFunctionMode):
+    """Counts ``torch.arange`` calls: the usual way a forward builds positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.arange:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _model_output(root: nn.Module, plan: ModelPlan, ids: Tensor) -> Tensor | None:
+    weight = root.get_submodule(plan.embedding).weight
+    parts = plan.blocks.split(".")
+    for depth in range(len(parts)):
+        try:
+            out = root.get_submodule(".".join(parts[:depth]))(ids.to(weight.device))
+        except Exception:  # noqa: BLE001 - this module does not take token ids
+            continue
+        tensor = _first_tensor(out)
+        return tensor if tensor is not None and tensor.dim() >= 2 else None
+    return None
+
+
+def _first_tensor(out: object) -> Tensor | None:
+    if isinstance(out, Tensor):
+        return out if out.is_floating_point() else None
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, Tensor):
+        return logits
+    values = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
+    return next((t for t in map(_first_tensor, values) if t is not None), None)
 
 
 def _run(root: nn.Module, plan: ModelPlan) -> bool:
