@@ -113,3 +113,14 @@ def test_a_model_with_no_position_information_is_observed_as_such():
     with_positions = Plain()
     with_positions.pos_emb = nn.Embedding(64, HIDDEN)  # a learned position table: positions may matter
     assert discover(with_positions).uses_positions is not False
+
+
+def test_the_planner_reads_a_config_less_model_from_discovery():
+    from lightning_5d.auto_layout import _model_spec
+    from lightning_5d.config import ParallelConfig
+
+    spec = _model_spec(Plain("dict"), ParallelConfig())  # no config object, blocks in a ModuleDict
+    assert (spec.vocab_size, spec.hidden_size, spec.num_layers, spec.intermediate_size) == (40, HIDDEN, 3, 32)
+    assert spec.num_heads == 1  # unknown head count: tp cannot be chosen, every other dimension can
+    told = _model_spec(Plain("dict"), ParallelConfig(model_plan={"layers.*.attn": "attention(heads=4)"}))
+    assert told.num_heads == 4
