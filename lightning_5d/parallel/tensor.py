@@ -186,6 +186,43 @@ def _row_forward(module: nn.Module, kind: ProjectionKind, reduce: Callable[[Tens
     return forward
 
 
+class _LocalHeads:
+    """A view of a model config whose head counts are this rank's (full // tp).
+
+    Some attention modules read head counts from ``self.config`` at forward time (Phi-3 slices
+    its fused qkv at ``config.num_attention_heads * head_dim``). Every other field, including
+    ones set later (the attention implementation context parallelism selects), is read
+    through from the shared config."""
+
+    def __init__(self, config: Any, local: dict[str, int]) -> None:
+        object.__setattr__(self, "_config", config)
+        object.__setattr__(self, "_local", local)
+
+    def __getattr__(self, name: str) -> Any:
+        local = object.__getattribute__(self, "_local")
+        if name in local:
+            return local[name]
+        return getattr(object.__getattribute__(self, "_config"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(object.__getattribute__(self, "_config"), name, value)
+
+
+def _localize_config(attention: nn.Module, num_heads: int, num_kv_heads: int, tp: int) -> None:
+    config = vars(attention).get("config")
+    if config is None or isinstance(config, _LocalHeads):
+        return
+    local = {}
+    for name in ("num_attention_heads", "num_heads", "n_head", "n_heads"):
+        if getattr(config, name, None) == num_heads:
+            local[name] = num_heads // tp
+    for name in ("num_key_value_heads", "num_kv_heads", "n_kv_heads"):
+        if num_kv_heads and getattr(config, name, None) == num_kv_heads:
+            local[name] = num_kv_heads // tp
+    if local:
+        attention.config = _LocalHeads(config, local)
+
+
 class TensorParallel:
     """Applies TP/SP to ``root`` following ``plan``; keeps what checkpoints and clipping need."""
 
@@ -274,6 +311,7 @@ class TensorParallel:
             attention = block.get_submodule(att.path)
             for attr in att.head_attributes:
                 setattr(attention, attr, getattr(attention, attr) // self.size)
+            _localize_config(attention, att.num_heads, att.num_kv_heads, self.size)
             self._enter_region(attention, f"{plan.block_path(i)}.{att.path}")
             if block_plan.mlp is not None:
                 for p in block_plan.mlp.column:

@@ -30,6 +30,8 @@ CASES = {
     # GPT-NeoX's per-head interleaved query_key_value cut as [q|k|v] (1.0e-2 off)
     "interleaved_qkv-tp2": (2, "interleaved_qkv", {"tp": 2}, True),
     "hf_neox-tp2-sp": (2, "hf_neox", {"tp": 2, "sequence_parallel": True}, False),
+    # Phi-3 reads config.num_attention_heads at forward time (crashed under tp before)
+    "hf_phi3-tp2-sp": (2, "hf_phi3", {"tp": 2, "sequence_parallel": True}, False),
     # refused before for information the dimension does not use
     "plain-tp2-advice": (2, "plain", {"tp": 2, "model_plan": ADVICE}, False),
     "plain-zero3": (2, "plain", {"zero": 3}, True),

@@ -11,6 +11,8 @@ Each ``Style`` changes one thing about an otherwise ordinary pre-norm transforme
 - MODULE_DICT: the blocks live in an ``nn.ModuleDict`` keyed "0", "1", ...
 - NESTED: each block is an ``nn.ModuleList([attention, mlp])`` (no forward of its own).
 - HF_NEOX: Hugging Face GPT-NeoX (interleaved ``query_key_value``, partial rotary), from a small config.
+- HF_PHI3: Hugging Face Phi-3 (fused ``qkv_proj`` and ``gate_up_proj``; reads
+  ``self.config.num_attention_heads`` at forward time), from a small config.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class Style(str, Enum):
     MODULE_DICT = "module_dict"
     NESTED = "nested"
     HF_NEOX = "hf_neox"
+    HF_PHI3 = "hf_phi3"
 
 
 class ScaledEmbedding(nn.Embedding):
@@ -131,6 +134,17 @@ class HandLM(L.LightningModule):
             self.model = tf.GPTNeoXForCausalLM(config)
             self.losses = []
             return
+        if self.style is Style.HF_PHI3:
+            import transformers as tf
+
+            config = tf.Phi3Config(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS,
+                                   num_attention_heads=HEADS, num_key_value_heads=HEADS // 2,
+                                   intermediate_size=INTERMEDIATE, max_position_embeddings=64, pad_token_id=0,
+                                   bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+                                   resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)  # fmt: skip
+            self.model = tf.Phi3ForCausalLM(config)
+            self.losses = []
+            return
         embedding = ScaledEmbedding if self.style is Style.SCALED_EMBEDDING else nn.Embedding
         self.embed = embedding(VOCAB, HIDDEN)
         if self.style is Style.MODULE_DICT:
@@ -144,7 +158,7 @@ class HandLM(L.LightningModule):
         self.losses = []
 
     def forward(self, ids):
-        if self.style is Style.HF_NEOX:
+        if self.style in (Style.HF_NEOX, Style.HF_PHI3):
             return self.model(input_ids=ids).logits
         x = self.embed(ids)
         if self.style is Style.NESTED:
