@@ -15,6 +15,10 @@ matched against the layouts above. The probe is ids ``[2, 16]`` through the mode
 mode; parameters and their gradients are left untouched. When the model cannot be run on
 ids (its forward wants something else, or weights are still on the meta device), the
 shape-based default stays and the plan notes that it was not observed.
+
+It also records whether the model can carry positions at all (``ModelPlan.uses_positions``):
+a model with no position embedding, no tensor held outside its parameters and no
+``torch.arange`` in its forward has none, so context parallelism needs to route none.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_5d.plan import paths
-from lightning_5d.plan.model_plan import AttentionPlan, BlockPlan, ColumnLayout, MLPPlan, ModelPlan, Projection
+from lightning_5d.plan.model_plan import AttentionPlan, ColumnLayout, MLPPlan, ModelPlan, Projection
 
 PROBE_SHAPE = (2, 16)  # several positions: a causal mask leaves position 0's query little to depend on
 
