@@ -15,6 +15,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_5d.config import IMPLEMENTED_DIMS, LayoutError, ParallelConfig
+from lightning_5d.plan import ModelMappingError, discover
+from lightning_5d.plan.kinds import in_features
 
 _FP32_PRECISIONS = ("32", "32-true", "64", "64-true")
 # Not cp: at setup the planner cannot see the data's sequence length (it must divide by
@@ -34,6 +36,53 @@ def device_memory_gib(device: torch.device, local_processes: int) -> float:
     return host / 2**30 / max(local_processes, 1)
 
 
+def _model_spec(module: nn.Module, config: ParallelConfig):
+    """The planner's shape of ``module``: from its config, else from what discovery observed."""
+    from lightning_5d.estimate import ModelSpecError
+    from lightning_5d.estimate.spec import spec_from_module
+
+    try:
+        return spec_from_module(module)
+    except ModelSpecError as no_config:
+        try:
+            return _observed_spec(module, config.model_plan)
+        except ModelMappingError as unmapped:
+            raise ModelSpecError(f"{no_config} Discovery could not fill the gaps either: {unmapped}") from unmapped
+
+
+def _observed_spec(module: nn.Module, model_plan):
+    """A ModelSpec from the discovered plan of a model with no config object.
+
+    A head count discovery could not find is given as 1: tensor parallelism (the only
+    dimension that cuts by heads) then cannot be chosen, while dp, cp, pp and ZeRO can.
+    """
+    from lightning_5d.estimate.spec import MlpKind, ModelSpec, ModelSpecError
+
+    plan = discover(module, model_plan)
+    first = plan.block_plans[0]
+    if first.mlp is None:
+        raise ModelMappingError("the planner reads the MLP width of the first block, and discovery found no MLP there")
+    row = module.get_submodule(f"{plan.block_path(0)}.{first.mlp.row[0].path}")
+    gated = len(first.mlp.column) == 2 or bool(first.mlp.column[0].segments)
+    heads = first.attention.num_heads or 1
+    try:
+        return ModelSpec(
+            vocab_size=plan.vocab_size,
+            hidden_size=plan.hidden_size,
+            intermediate_size=in_features(row),
+            num_layers=plan.num_blocks,
+            num_heads=heads,
+            num_kv_heads=first.attention.num_kv_heads or heads,
+            head_dim=first.attention.head_dim or plan.hidden_size,
+            tie_embeddings=plan.tied_head,
+            learned_positions=plan.position_embedding is not None,
+            mlp=MlpKind.SWIGLU if gated else MlpKind.GELU,
+            name=type(module).__name__,
+        )
+    except (TypeError, ValueError) as err:
+        raise ModelSpecError(f"the discovered shape of {type(module).__name__} is not one the planner models: {err}")
+
+
 def planned_config(
     config: ParallelConfig,
     module: nn.Module,
@@ -47,7 +96,7 @@ def planned_config(
 
     try:
         chosen = choose_layout(
-            module,
+            _model_spec(module, config),
             world_size,
             available_dims=AUTO_DIMS,
             recompute=config.activation_checkpointing,

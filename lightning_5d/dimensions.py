@@ -136,6 +136,8 @@ class AppliedDimensions:
         cp = self.cp
         if cp is not None and args:
             args = (cp.begin(args[0]), *args[1:])
+        if self.fsdp_units and self.fsdp_units[-1] is module:
+            step = _through_forward(module, step)
         try:
             with self.step_region(module):
                 out = step(*args, **kwargs)
@@ -543,3 +545,30 @@ def check_precision_supported(precision: FiveDPrecision, combination: Combinatio
             f"expert load twice; set numerics_check_every=0 there, or check on a pp=1 layout without "
             f"expert dispatch."
         )
+
+
+def _through_forward(module: nn.Module, step: Callable[..., Any]) -> Callable[..., Any]:
+    """``step`` called from inside the LightningModule's ``__call__`` (Lightning's forward
+    redirection), for a module that is itself the outermost ZeRO-3 unit: FSDP2 gathers the
+    parameters it holds directly (embedding, norm, head) in its forward hooks."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        own = vars(module).get("forward")  # an instance-level forward, if the module had one
+
+        def restore() -> None:
+            if own is None:
+                vars(module).pop("forward", None)
+            else:
+                module.forward = own
+
+        def forward(*a: Any, **k: Any) -> Any:
+            restore()  # the step's own self(...) calls reach the real forward
+            return step(*a, **k)
+
+        module.forward = forward
+        try:
+            return module(*args, **kwargs)
+        finally:
+            restore()
+
+    return run

@@ -20,6 +20,7 @@ from lightning_5d.plan.hints import BlockHints, TopHints
 from lightning_5d.plan.model_plan import (
     AttentionPlan,
     BlockPlan,
+    ColumnLayout,
     MLPPlan,
     ModelPlan,
     MoEPlan,
@@ -89,8 +90,8 @@ def _missing_top(root: nn.Module, top: TopHints) -> list[str]:
         missing.append(f"no token embedding found in {type(root).__name__} (an nn.Embedding outside the blocks)")
     if top.blocks is None:
         missing.append(
-            f"no transformer blocks found in {type(root).__name__} (an nn.ModuleList of "
-            f"identical blocks); its children: {_children(root)}"
+            f"no transformer blocks found in {type(root).__name__} (an nn.ModuleList, or an "
+            f"nn.ModuleDict keyed '0', '1', ..., of identical blocks); its children: {_children(root)}"
         )
     return missing
 
@@ -124,7 +125,8 @@ def _block_plan(root: nn.Module, top: TopHints, index: int, hints: BlockHints, n
 
 
 def _projection(block: nn.Module, path: str, segments: tuple[int, ...] = ()) -> Projection:
-    return Projection(path, kinds.projection_kind(block.get_submodule(path)), segments)
+    layout = ColumnLayout.SEGMENTS if segments else ColumnLayout.PLAIN
+    return Projection(path, kinds.projection_kind(block.get_submodule(path)), segments, layout)
 
 
 def _attention_plan(block: nn.Module, where: str, hints: BlockHints, notes: list[str]) -> AttentionPlan:
@@ -148,14 +150,18 @@ def _attention_plan(block: nn.Module, where: str, hints: BlockHints, notes: list
             f"(children: {_children(block.get_submodule(attention_path))})"
         )
     if hints.num_heads is None:
-        raise _Unmappable(
-            f"no head count for attention {paths.join(where, attention_path)}: neither the "
-            f"module nor a config declares num_heads / num_attention_heads / n_head"
+        # Only tensor parallelism cuts by heads (it refuses a plan without them); cp, pp,
+        # FP8 and ZeRO never read a head count, so its absence is a note, not an error.
+        layout = HeadLayout(0, 0, 0)
+        notes.append(
+            f"no head count for attention {attention_path} (the module and its configs declare none); "
+            f"tensor parallelism needs one: attention(heads=...)"
         )
-    layout = _head_layout(block, where, hints)
+    else:
+        layout = _head_layout(block, where, hints)
+        _check_output_width(block, where, hints.o, layout)
     if layout.note:
         notes.append(f"attention {attention_path}: {layout.note}")
-    _check_output_width(block, where, hints.o, layout)
     attention = block.get_submodule(attention_path)
     return AttentionPlan(
         path=attention_path,
@@ -264,9 +270,21 @@ def _mlp_plan(block: nn.Module, where: str, hints: BlockHints) -> MLPPlan | None
     layers = hints.mlp_column + hints.mlp_row
     return MLPPlan(
         path=hints.mlp if hints.mlp is not None else paths.common_parent(layers),
-        column=tuple(_projection(block, p) for p in hints.mlp_column),
+        column=tuple(_projection(block, p, _gate_up_segments(block, p, hints)) for p in hints.mlp_column),
         row=tuple(_projection(block, p) for p in hints.mlp_row),
     )
+
+
+def _gate_up_segments(block: nn.Module, column: str, hints: BlockHints) -> tuple[int, ...]:
+    """``(I, I)`` for the one column projection of an MLP that is twice as wide as its row
+    projections take: a fused ``[gate | up]`` (``gate, up = proj(x).chunk(2, -1)``, the common
+    order; the probe in :mod:`lightning_5d.plan.observe` checks it when it can run the model)."""
+    if len(hints.mlp_column) != 1:
+        return ()
+    width = sum(kinds.in_features(block.get_submodule(r)) for r in hints.mlp_row)
+    if _width(block, column) == 2 * width:
+        return (width, width)
+    return ()
 
 
 def _moe_plan(root: nn.Module, block: nn.Module, where: str, hints: BlockHints, notes: list[str]) -> MoEPlan | None:

@@ -18,20 +18,33 @@ def _num_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def is_indexed_container(module: nn.Module) -> bool:
+    """An ``nn.ModuleList`` / ``nn.Sequential``, or an ``nn.ModuleDict`` keyed "0", "1", ...: a
+    container whose children are reached as ``<path>.<index>``, as every block path is."""
+    if isinstance(module, (nn.ModuleList, nn.Sequential)):
+        return True
+    return isinstance(module, nn.ModuleDict) and list(module.keys()) == [str(i) for i in range(len(module))]
+
+
+def block_modules(container: nn.Module) -> list[nn.Module]:
+    """The blocks of an indexed container, in index order."""
+    return list(container.children())
+
+
 def find_blocks(module: nn.Module) -> tuple[str, list[nn.Module]]:
     """Return the dotted path of the block list and its blocks (``("", [])`` if none)."""
-    best: tuple[int, str, nn.ModuleList] | None = None
+    best: tuple[int, str, nn.Module] | None = None
     for name, child in module.named_modules():
-        if not isinstance(child, nn.ModuleList) or len(child) == 0:
+        if isinstance(child, nn.Sequential) or not is_indexed_container(child) or len(child) == 0:
             continue
-        if len({type(block) for block in child}) != 1:
+        if len({type(block) for block in block_modules(child)}) != 1:
             continue
         size = _num_params(child)
         if size and (best is None or size > best[0]):
             best = (size, name, child)
     if best is None:
         return "", []
-    return best[1], list(best[2])
+    return best[1], block_modules(best[2])
 
 
 def require_blocks(module: nn.Module, why: str) -> tuple[str, list[nn.Module]]:
@@ -39,7 +52,7 @@ def require_blocks(module: nn.Module, why: str) -> tuple[str, list[nn.Module]]:
     if not blocks:
         raise ModelMappingError(
             f"{why} needs the model's repeated blocks, but {type(module).__name__} has no "
-            f"nn.ModuleList of identical modules with parameters. Put the transformer blocks in an "
-            f"nn.ModuleList (e.g. `self.layers = nn.ModuleList([Block(...) for _ in range(n)])`)."
+            f"nn.ModuleList (or nn.ModuleDict keyed '0', '1', ...) of identical modules with parameters. Put the "
+            f"transformer blocks in one (e.g. `self.layers = nn.ModuleList([Block(...) for _ in range(n)])`)."
         )
     return path, blocks

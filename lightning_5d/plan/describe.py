@@ -63,7 +63,7 @@ def _attention_rows(a: AttentionPlan) -> list[str]:
         _row("attention", a.path or "(the block)"),
         _row("column", ", ".join(_projection(n, p) for n, p in named if p), 2),
         _row("row", _projection("o", a.o), 2),
-        _row("heads", f"{a.num_heads} (kv {a.num_kv_heads}, head_dim {a.head_dim})", 2),
+        _row("heads", f"{a.num_heads} (kv {a.num_kv_heads}, head_dim {a.head_dim})" if a.num_heads else "unknown", 2),
         _row("head attributes", ", ".join(a.head_attributes) or "-", 2),
         _row("kernel", a.kernel.value, 2),
     ]

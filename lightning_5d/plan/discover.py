@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
-from lightning_5d.plan import assemble, paths, published, registry, structural
+from lightning_5d.plan import assemble, observe, paths, published, registry, structural
 from lightning_5d.plan import explicit as explicit_source
 from lightning_5d.plan.hints import BlockHints, Merged, TopHints, merge
 from lightning_5d.plan.model_plan import ModelPlan, PlanSource
@@ -89,7 +89,8 @@ def discover(
     origins = [top.origin] + [b.origin for b in blocks]
     source = _primary_source(origins)
     notes = _notes(origins, source, pattern_sources)
-    return assemble.build(module, top.hints, [b.hints for b in blocks], source, notes)
+    plan = assemble.build(module, top.hints, [b.hints for b in blocks], source, notes)
+    return observe.observe(module, plan)
 
 
 def _pattern_sources(

@@ -56,7 +56,10 @@ def is_norm(module: nn.Module) -> bool:
 
 
 def is_block_list(module: nn.Module) -> bool:
-    return isinstance(module, (nn.ModuleList, nn.Sequential))
+    # ModuleDict keyed "0", "1", ... too: block paths are "<blocks>.<index>" either way.
+    if isinstance(module, (nn.ModuleList, nn.Sequential)):
+        return True
+    return isinstance(module, nn.ModuleDict) and list(module.keys()) == [str(i) for i in range(len(module))]
 
 
 def describe_kind(module: nn.Module) -> str:

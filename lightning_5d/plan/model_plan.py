@@ -38,6 +38,21 @@ class AttentionKernel(str, Enum):
     UNKNOWN = "unknown"
 
 
+class ColumnLayout(str, Enum):
+    """How a column projection's output features are ordered, as far as tensor parallelism cares.
+
+    PLAIN: one tensor (a q, an up projection); SEGMENTS: fused pieces side by side (``[q|k|v]``,
+    ``[gate|up]``), each cut into tp pieces; PER_GROUP: fused per head or per kv group
+    (GPT-NeoX's ``[q_h|k_h|v_h]``, pairs ``[g_i, u_i]``), so a plain contiguous cut keeps whole
+    groups; UNKNOWN: fused in an order the probe could not match (tensor parallelism refuses).
+    """
+
+    PLAIN = "plain"
+    SEGMENTS = "segments"
+    PER_GROUP = "per_group"
+    UNKNOWN = "unknown"
+
+
 @dataclass(frozen=True)
 class Projection:
     """One linear map inside a block.
@@ -52,6 +67,11 @@ class Projection:
     path: str  # relative to the block
     kind: ProjectionKind = ProjectionKind.LINEAR
     segments: tuple[int, ...] = ()
+    layout: ColumnLayout = ColumnLayout.PLAIN
+
+    def __post_init__(self) -> None:
+        if self.segments and self.layout is ColumnLayout.PLAIN:  # segments given: that is the layout
+            object.__setattr__(self, "layout", ColumnLayout.SEGMENTS)
 
 
 @dataclass(frozen=True)
@@ -128,6 +148,9 @@ class ModelPlan:
     head: str | None = None  # the output projection (lm_head); None for a headless model
     position_embedding: str | None = None  # learned absolute positions (GPT-2's wpe)
     tied_head: bool = False  # head.weight is embedding.weight
+    # Observed by the probe: whether the last token's output changes when the tokens before it
+    # are reordered (False: no position information at all, NoPE; None: not observed).
+    uses_positions: bool | None = None
     notes: tuple[str, ...] = field(default=())  # what the detector assumed, for describe()
 
     @property
@@ -138,7 +161,8 @@ class ModelPlan:
         return f"{self.blocks}.{index}" if self.blocks else str(index)
 
     def blocks_of(self, root: nn.Module) -> list[nn.Module]:
-        return list(root.get_submodule(self.blocks))
+        # children(), not iteration: an nn.ModuleDict of blocks iterates over its keys.
+        return list(root.get_submodule(self.blocks).children())
 
     @property
     def has_moe(self) -> bool:

@@ -55,7 +55,7 @@ class Expects(str, Enum):
 
     PROJECTION = "a linear layer (nn.Linear or Conv1D)"
     EMBEDDING = "an nn.Embedding"
-    BLOCK_LIST = "an nn.ModuleList of blocks"
+    BLOCK_LIST = "an nn.ModuleList of blocks (or an nn.ModuleDict keyed '0', '1', ...)"
     ROUTER = "a linear layer or a module with a 2-D weight ([num_experts, hidden])"
     EXPERTS = "an nn.ModuleList of experts or a module holding [num_experts, ...] weights"
     ANY = "any module"

@@ -78,6 +78,10 @@ def route_positions(
         for _, rotary in rotaries:
             _slice_rotary(cp, rotary)
         return f"global rows of the RoPE cache in {', '.join(n for n, _ in rotaries)}"
+    if plan.uses_positions is False:
+        # Observed at discovery: reordering the earlier tokens leaves the output unchanged, so
+        # the model reads no position (NoPE); ring attention over the shards is all cp changes.
+        return "none needed (the model's output ignores token order: no position information)"
     owner = plan.blocks.rsplit(".", 1)[0] if "." in plan.blocks else ""
     owner_cls = type(module.get_submodule(owner)).__name__
     raise ContextParallelError(

@@ -1,10 +1,12 @@
 """ZeRO-3: parameters, gradients and optimizer states sharded with FSDP2 ``fully_shard``.
 
 One FSDP unit per transformer block (so at most one block's parameters are gathered at a
-time) plus one for the module that owns everything else (embedding, final norm, head).
-That module is the lowest common ancestor of the remaining parameters, not the
-LightningModule itself: Lightning calls ``training_step``, not ``forward``, so FSDP's
-forward hooks on the LightningModule would never unshard those parameters.
+time; a block that is a bare ``nn.ModuleList`` is its children, gathered together) plus one
+for everything else (embedding, final norm, head): the lowest common ancestor of those
+parameters. When that ancestor is the LightningModule itself (embedding, norm and head as
+its own attributes), Lightning calls ``training_step``, not ``forward``, so FSDP's forward
+hooks on it would never unshard those parameters: the strategy then routes each step
+through the module's forward (see ``FiveDStrategy._run_step``).
 """
 
 from __future__ import annotations
@@ -54,16 +56,37 @@ def apply_fsdp(
             "this module is already sharded by FSDP (a previous Trainer?); build a fresh module for a new "
             "FiveDStrategy, or reuse the same Trainer."
         )
+    heads = []
     for i, block in enumerate(blocks):
         # The last block's parameters are needed first in backward: keep them gathered.
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1)
-        units.append(block)  # type: ignore[arg-type]
+        group = _with_forward(block)
+        fully_shard(group, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1)
+        members = group if isinstance(group, list) else [group]
+        units.extend(members)  # type: ignore[arg-type]
+        heads.append(members[0])
     root = _root_for_remaining(module, blocks, root_holds_blocks)
     if root is not None:
         fully_shard(root, mesh=dp_mesh, mp_policy=policy)
-        units.append(root)  # type: ignore[arg-type]
-    _set_prefetch(units[: len(blocks)])
+        units.extend(root if isinstance(root, list) else [root])  # type: ignore[arg-type]
+    _set_prefetch(heads)
     return units
+
+
+def _with_forward(block: nn.Module) -> nn.Module | list[nn.Module]:
+    """The block itself, or for a container block (an ``nn.ModuleList`` the model iterates, whose
+    own forward never runs) its children as one unit: FSDP2 gathers a list of modules together."""
+    if isinstance(block, (nn.ModuleList, nn.ModuleDict)):
+        members = [m for m in _flat(block) if any(True for _ in m.parameters())]
+        if members:
+            return members
+    return block
+
+
+def _flat(module: nn.Module) -> list[nn.Module]:
+    """Modules with a forward of their own under ``module`` (nested containers opened)."""
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        return [m for c in module.children() for m in _flat(c)]
+    return [module]
 
 
 def apply_expert_fsdp(experts, mesh: ParallelMesh, mp_policy: MixedPrecisionPolicy | None = None) -> list[FSDPModule]:
@@ -106,7 +129,9 @@ def _set_prefetch(blocks: Sequence[FSDPModule]) -> None:
         nxt.set_modules_to_backward_prefetch([prev])
 
 
-def _root_for_remaining(module: nn.Module, blocks: Sequence[nn.Module], holds_blocks: bool) -> nn.Module | None:
+def _root_for_remaining(
+    module: nn.Module, blocks: Sequence[nn.Module], holds_blocks: bool
+) -> nn.Module | list[nn.Module] | None:
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     owners = [
         name.rsplit(".", 1)[0] if "." in name else ""
@@ -121,12 +146,18 @@ def _root_for_remaining(module: nn.Module, blocks: Sequence[nn.Module], holds_bl
     if not owners:
         return None
     prefix = _common_prefix([o.split(".") if o else [] for o in owners])
+    if not prefix and not holds_blocks:
+        # Embedding, final norm and head (or bare parameters) straight on the LightningModule:
+        # it is the root unit. FSDP2 needs one root above the block units, so a list of those
+        # modules cannot be it; the strategy runs the steps through the module's forward
+        # (forward_redirection) so that the root's hooks gather them.
+        return module
     if not prefix:
         raise ModelMappingError(
-            f"ZeRO-3 needs one submodule that holds every parameter outside the blocks, but "
-            f"{type(module).__name__} keeps some directly on itself or in sibling modules "
-            f"({sorted(set(owners))[:4]}). Move the embedding, blocks, final norm and head into one "
-            f"nn.Module attribute (e.g. `self.model`) and call it from training_step, or use zero=0..2."
+            f"ZeRO-3 shards the parameters outside the blocks in units whose forward runs, but "
+            f"{type(module).__name__} holds parameters directly on itself ({sorted(set(owners))[:4]}), and "
+            f"Lightning calls its training_step, not a forward FSDP could hook. Keep them in a submodule "
+            f"(e.g. an nn.Linear or nn.Embedding attribute), or use zero=0..2."
         )
     return module.get_submodule(".".join(prefix))
 

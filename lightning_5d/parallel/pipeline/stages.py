@@ -556,6 +556,14 @@ def _check_cuttable(module: nn.Module, plan: ModelPlan) -> None:
         )
     if plan.head is None:
         raise PipelineError("the model plan has no output head; pp needs one to know where the last stage ends.")
+    bare = [i for i, b in enumerate(plan.blocks_of(module)) if isinstance(b, (nn.ModuleList, nn.ModuleDict))]
+    if bare:
+        # A stage boundary is a hook on a block's forward; a container the model iterates has none.
+        raise PipelineError(
+            f"the blocks of {plan.blocks} are {type(plan.blocks_of(module)[bare[0]]).__name__}s with no forward of "
+            f"their own, so no pipeline stage boundary can be hooked between them. Give each block a module with a "
+            f"forward (e.g. `class Block(nn.Module)` calling its attention and MLP), or use pp=1."
+        )
     known = [plan.blocks, *(p for p in (plan.embedding, plan.position_embedding, plan.final_norm, plan.head) if p)]
     stray = [
         name for name, _ in module.named_parameters() if not any(name == k or name.startswith(k + ".") for k in known)

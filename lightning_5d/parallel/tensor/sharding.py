@@ -39,8 +39,10 @@ from torch.distributed.tensor import DTensor, Shard
 from lightning_5d.config import LayoutError
 from lightning_5d.parallel.tensor import ops as tensor_ops
 from lightning_5d.parallel.tensor.regather import RegatherRegion
-from lightning_5d.parallel.tensor.vocab import vocab_parallel_embedding_forward, vocab_range
-from lightning_5d.plan.model_plan import ModelPlan, Projection, ProjectionKind
+from lightning_5d.parallel.tensor.vocab import vocab_parallel_forward, vocab_range
+from lightning_5d.plan import paths
+from lightning_5d.plan.blocks import ModelMappingError
+from lightning_5d.plan.model_plan import ColumnLayout, ModelPlan, Projection, ProjectionKind
 
 
 class TensorParallelError(LayoutError):
@@ -114,6 +116,14 @@ def validate_tensor_parallel(plan: ModelPlan, root: nn.Module, tp: int) -> None:
     for i, block_plan in enumerate(plan.block_plans):
         att = block_plan.attention
         where = f"block {plan.block_path(i)}"
+        if not att.num_heads:
+            pattern = paths.join(plan.blocks, "*", att.path)
+            raise ModelMappingError(
+                f"tp={tp} splits attention by heads, but no head count is known for {plan.block_path(i)}.{att.path} "
+                f"(the module keeps none and no config declares num_attention_heads / num_heads / n_head). "
+                f"Give it in the strategy's model_plan, e.g. model_plan={{{pattern!r}: 'attention(heads=<N>)'}} "
+                f"(add kv_heads=<K> for grouped-query attention), or use tp=1."
+            )
         if att.num_kv_heads and att.num_kv_heads < tp:
             raise TensorParallelError(
                 f"tp={tp} exceeds the {att.num_kv_heads} key/value heads of {where} (grouped-query "
@@ -127,6 +137,13 @@ def validate_tensor_parallel(plan: ModelPlan, root: nn.Module, tp: int) -> None:
         mlp_col = block_plan.mlp.column if block_plan.mlp else ()
         mlp_row = block_plan.mlp.row if block_plan.mlp else ()
         for p in att.column + mlp_col:
+            if p.layout is ColumnLayout.UNKNOWN:
+                raise TensorParallelError(
+                    f"tp={tp} cannot cut {where}.{p.path}: the probe forward found its fused output features in an "
+                    f"order that is neither [q|k|v] / [gate|up] side by side nor interleaved per head, so no "
+                    f"column split keeps each rank's heads whole. Split it into separate linears, or use tp=1 "
+                    f"(cp, pp and ZeRO do not cut projections)."
+                )
             for seg in p.segments or (_out_features(block.get_submodule(p.path), p),):
                 need(seg, f"the output features of {where}.{p.path}")
         for p in att.row + mlp_row:
@@ -167,6 +184,43 @@ def _row_forward(module: nn.Module, kind: ProjectionKind, reduce: Callable[[Tens
         return y if module.bias is None else y + module.bias
 
     return forward
+
+
+class _LocalHeads:
+    """A view of a model config whose head counts are this rank's (full // tp).
+
+    Some attention modules read head counts from ``self.config`` at forward time (Phi-3 slices
+    its fused qkv at ``config.num_attention_heads * head_dim``). Every other field, including
+    ones set later (the attention implementation context parallelism selects), is read
+    through from the shared config."""
+
+    def __init__(self, config: Any, local: dict[str, int]) -> None:
+        object.__setattr__(self, "_config", config)
+        object.__setattr__(self, "_local", local)
+
+    def __getattr__(self, name: str) -> Any:
+        local = object.__getattribute__(self, "_local")
+        if name in local:
+            return local[name]
+        return getattr(object.__getattribute__(self, "_config"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(object.__getattribute__(self, "_config"), name, value)
+
+
+def _localize_config(attention: nn.Module, num_heads: int, num_kv_heads: int, tp: int) -> None:
+    config = vars(attention).get("config")
+    if config is None or isinstance(config, _LocalHeads):
+        return
+    local = {}
+    for name in ("num_attention_heads", "num_heads", "n_head", "n_heads"):
+        if getattr(config, name, None) == num_heads:
+            local[name] = num_heads // tp
+    for name in ("num_key_value_heads", "num_kv_heads", "n_kv_heads"):
+        if num_kv_heads and getattr(config, name, None) == num_kv_heads:
+            local[name] = num_kv_heads // tp
+    if local:
+        attention.config = _LocalHeads(config, local)
 
 
 class TensorParallel:
@@ -257,6 +311,7 @@ class TensorParallel:
             attention = block.get_submodule(att.path)
             for attr in att.head_attributes:
                 setattr(attention, attr, getattr(attention, attr) // self.size)
+            _localize_config(attention, att.num_heads, att.num_kv_heads, self.size)
             self._enter_region(attention, f"{plan.block_path(i)}.{att.path}")
             if block_plan.mlp is not None:
                 for p in block_plan.mlp.column:
@@ -302,7 +357,7 @@ class TensorParallel:
         rows = TensorShard(0)
         self._shard_param(embedding, "weight", rows)
         self._set_width(embedding, ("num_embeddings",), vocab // self.size)
-        embedding.forward = lambda ids: vocab_parallel_embedding_forward(embedding, ids, start, self.group)
+        embedding.forward = vocab_parallel_forward(embedding, start, self.group)
         if plan.head is None:
             return
         head = root.get_submodule(plan.head)

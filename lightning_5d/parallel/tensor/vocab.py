@@ -56,6 +56,53 @@ def vocab_parallel_embedding_forward(module: nn.Embedding, ids: Tensor, start: i
     return reduce_from_tp(out, group)
 
 
+class _ParallelLookup(TorchFunctionMode):
+    """Answers the ``F.embedding`` calls on ``module.weight`` with the vocabulary-parallel lookup.
+
+    An ``nn.Embedding`` subclass may do more than look up rows (Gemma scales by sqrt(hidden));
+    replacing its forward would drop that. Its own forward runs instead, and only the lookup
+    inside it (``super().forward`` or ``F.embedding`` on its weight) becomes parallel.
+    """
+
+    def __init__(self, module: nn.Embedding, start: int, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.module, self.start, self.group = module, start, group
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.embedding:
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            if weight is self.module.weight:
+                self.calls += 1
+                ids = args[0] if args else kwargs["input"]
+                return vocab_parallel_embedding_forward(self.module, ids, self.start, self.group)
+        return func(*args, **kwargs)
+
+
+def vocab_parallel_forward(module: nn.Embedding, start: int, group: dist.ProcessGroup):
+    """The forward a vocabulary-sharded ``module`` gets: the plain lookup for an ``nn.Embedding``,
+    the subclass's own forward around a parallel lookup otherwise."""
+    own = type(module).forward
+    if own is nn.Embedding.forward:
+        return lambda ids: vocab_parallel_embedding_forward(module, ids, start, group)
+
+    def forward(*args, **kwargs):
+        lookup = _ParallelLookup(module, start, group)
+        with lookup:
+            out = own(module, *args, **kwargs)
+        if lookup.calls == 0:
+            # Its rows are this rank's vocabulary shard: an index of its own would read wrong rows.
+            raise RuntimeError(
+                f"tensor parallelism shards the vocabulary of {type(module).__name__}, but its forward looked up "
+                f"no rows through F.embedding / nn.Embedding.forward on its weight. Look rows up with "
+                f"`super().forward(ids)` (or F.embedding(ids, self.weight)), or use tp=1."
+            )
+        return out
+
+    return forward
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, target: Tensor, start: int, ignore_index: int, group) -> Tensor:

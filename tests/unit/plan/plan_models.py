@@ -64,9 +64,10 @@ class OddAttention(nn.Module):
         self.wb = nn.Linear(hidden, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.wa(x).chunk(3, dim=-1)
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, 4, -1).transpose(1, 2) for t in self.wa(x).chunk(3, dim=-1))
         scores = (q @ k.transpose(-1, -2)).softmax(dim=-1)
-        return self.wb(scores @ v)
+        return self.wb((scores @ v).transpose(1, 2).reshape(b, s, -1))
 
 
 class OddBlock(nn.Module):

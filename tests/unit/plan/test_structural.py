@@ -3,6 +3,7 @@
 import pytest
 from torch import nn
 
+from lightning_5d.parallel.tensor.sharding import validate_tensor_parallel
 from lightning_5d.plan import ModelMappingError, PlanSource, discover
 
 
@@ -89,9 +90,13 @@ def test_missing_head_count_asks_for_it():
                 nn.ModuleDict({n: nn.Linear(8, 8) for n in ("q", "k", "v", "o")}) for _ in range(2)
             )
 
-    with pytest.raises(ModelMappingError, match="no head count for attention blocks.0") as err:
-        discover(Bare())
-    assert '"blocks.*": attention(heads=<num_heads>, kv_heads=<num_kv_heads>)' in str(err.value)
+    # Only tensor parallelism cuts by heads: discovery notes the gap, tp refuses with the fix.
+    bare = Bare()
+    plan = discover(bare)
+    assert plan.block_plans[0].attention.num_heads == 0
+    assert any("no head count for attention" in note for note in plan.notes)
+    with pytest.raises(ModelMappingError, match=r"model_plan=\{'blocks\.\*': 'attention\(heads=<N>\)'\}"):
+        validate_tensor_parallel(plan, bare, 2)
     # Naming the block itself as the attention module is allowed.
     plan = discover(Bare(), {"blocks.*": "attention(heads=2)"})
     assert plan.block_plans[0].attention.path == ""

@@ -1,5 +1,6 @@
 """Where context parallelism finds a model's positions (backbone position_ids or a RoPE cache)."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -65,3 +66,14 @@ def test_model_without_reachable_positions_is_refused_with_what_to_add():
     module.forward = lambda input_ids: None
     with pytest.raises(ContextParallelError, match=r"LlamaModel.forward .* takes no position_ids"):
         route_positions(fake_cp(torch.arange(4), 8), module, plan)
+
+
+def test_a_model_observed_to_use_no_positions_needs_no_route():
+    module = LlamaLM(TINY)
+    plan = dataclasses.replace(discover(module), uses_positions=False)  # as the probe finds a NoPE model
+    module.model.forward = lambda input_ids: None
+    module.forward = lambda input_ids: None
+    assert "none needed" in route_positions(fake_cp(torch.arange(4), 8), module, plan)
+    # Not observed (None) keeps the refusal: a position source may exist that discovery cannot see.
+    with pytest.raises(ContextParallelError):
+        route_positions(fake_cp(torch.arange(4), 8), module, dataclasses.replace(plan, uses_positions=None))

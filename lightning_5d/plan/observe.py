@@ -1,0 +1,285 @@
+"""Observe the column layout of fused projections by running the model once on a probe batch.
+
+Shapes alone cannot tell how a fused projection orders its output features: Hugging Face
+Llama-style ``qkv_proj`` is ``[q | k | v]``, GPT-NeoX's ``query_key_value`` is ``[q_h | k_h | v_h]``
+per head, a fused MLP may be ``[gate | up]`` or pairs ``[g_i, u_i]``. Tensor parallelism must
+cut them differently (cut each segment into tp pieces, or cut the whole contiguously), and the
+wrong cut trains without any error. The model's own forward decides, so we watch it:
+
+    y = fused(x)                  (captured; made a leaf that requires grad)
+    z = input of the row layer     (o_proj / down_proj, captured)
+    S(j) = { i : d z_j / d y_i != 0 }   (one backward of a random cotangent on z_j)
+
+``S`` of the first and last head (attention) or of the first and last feature (MLP) is
+matched against the layouts above. The probe is ids ``[2, 16]`` through the model in eval
+mode; parameters and their gradients are left untouched. When the model cannot be run on
+ids (its forward wants something else, or weights are still on the meta device), the
+shape-based default stays and the plan notes that it was not observed.
+
+It also records whether the model can carry positions at all (``ModelPlan.uses_positions``):
+a model with no position embedding, no tensor held outside its parameters and no
+``torch.arange`` in its forward has none, so context parallelism needs to route none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from lightning_5d.plan import paths
+from lightning_5d.plan.model_plan import AttentionPlan, ColumnLayout, MLPPlan, ModelPlan, Projection
+
+PROBE_SHAPE = (2, 16)  # several positions: a causal mask leaves position 0's query little to depend on
+
+
+@dataclass
+class _Capture:
+    """The first output of a fused projection and the first input of its row layer, per block."""
+
+    fused: Tensor | None = None
+    row_input: Tensor | None = None
+
+
+def observe(root: nn.Module, plan: ModelPlan) -> ModelPlan:
+    """``plan`` with the layout of every fused projection set from what the forward does,
+    and whether the model uses token positions at all."""
+    if any(p.is_meta for p in root.parameters()):
+        return _noted(plan, "fused projection layouts not observed (weights on the meta device); assumed")
+    plan = replace(plan, uses_positions=_uses_positions(root, plan))
+    targets = _targets(plan)
+    if not targets:
+        return plan
+    captures = {key: _Capture() for key in targets}
+    with _hooks(root, plan, targets, captures), _eval(root), torch.enable_grad():
+        _run(root, plan)
+    if all(c.fused is None for c in captures.values()):
+        return _noted(plan, "fused projection layouts not observed (the model did not run on token ids); assumed")
+    blocks = list(plan.block_plans)
+    notes: list[str] = []
+    for (index, kind), capture in captures.items():
+        if capture.fused is None or capture.row_input is None:
+            continue
+        block = blocks[index]
+        where = plan.block_path(index)
+        if kind == "qkv":
+            att = block.attention
+            layout = _attention_layout(att, capture)
+            notes.append(f"{where}.{att.qkv.path}: observed layout {_describe(layout)}")
+            blocks[index] = replace(block, attention=replace(att, qkv=_with_layout(att.qkv, layout)))
+        else:
+            mlp = block.mlp
+            layout = _gate_up_layout(mlp, capture)
+            notes.append(f"{where}.{mlp.column[0].path}: observed layout {_describe(layout)}")
+            blocks[index] = replace(block, mlp=replace(mlp, column=(_with_layout(mlp.column[0], layout),)))
+    return replace(plan, block_plans=tuple(blocks), notes=tuple(dict.fromkeys([*plan.notes, *_summary(notes)])))
+
+
+def _targets(plan: ModelPlan) -> dict[tuple[int, str], tuple[str, str]]:
+    """(block, "qkv" | "mlp") -> (fused path, row path), both relative to the block."""
+    found = {}
+    for i, b in enumerate(plan.block_plans):
+        if b.attention.qkv is not None and b.attention.num_heads:
+            found[(i, "qkv")] = (b.attention.qkv.path, b.attention.o.path)
+        if b.mlp is not None and len(b.mlp.column) == 1 and b.mlp.column[0].segments and len(b.mlp.row) == 1:
+            found[(i, "mlp")] = (b.mlp.column[0].path, b.mlp.row[0].path)
+    return found
+
+
+@contextmanager
+def _hooks(root, plan, targets, captures) -> Iterator[None]:
+    handles = []
+    try:
+        for key, (fused, row) in targets.items():
+            block = paths.join(plan.block_path(key[0]))
+            capture = captures[key]
+            handles.append(root.get_submodule(paths.join(block, fused)).register_forward_hook(_leaf_output(capture)))
+            handles.append(root.get_submodule(paths.join(block, row)).register_forward_pre_hook(_first_input(capture)))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _leaf_output(capture: _Capture) -> Callable:
+    def hook(_module, _args, out):
+        if capture.fused is not None or not isinstance(out, Tensor) or not out.is_floating_point():
+            return None
+        # A leaf of its own: its gradient is what we read, and the parameters' stay untouched.
+        capture.fused = out.detach().requires_grad_(True)
+        return capture.fused
+
+    return hook
+
+
+def _first_input(capture: _Capture) -> Callable:
+    def hook(_module, args):
+        if capture.row_input is None and args and isinstance(args[0], Tensor):
+            capture.row_input = args[0]
+
+    return hook
+
+
+@contextmanager
+def _eval(root: nn.Module) -> Iterator[None]:
+    """Eval mode (no dropout zeroing dependencies) for the probe; every module's mode restored after."""
+    modes = {m: m.training for m in root.modules()}
+    root.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes.items():
+            m.training = training
+
+
+def _uses_positions(root: nn.Module, plan: ModelPlan) -> bool | None:
+    """False only when nothing in the model could carry a position: no position embedding, no
+    tensor held outside the parameters (a RoPE cos/sin or freqs cache, a learned table), and no
+    ``torch.arange`` during a forward (positions built on the fly). None: it may use positions."""
+    if plan.position_embedding is not None:
+        return True
+    for module in root.modules():
+        held = [*module.buffers(recurse=False), *(v for v in vars(module).values() if isinstance(v, Tensor))]
+        if held:
+            return None
+    watch = _Aranges()
+    with _eval(root), torch.no_grad(), watch:
+        ran = _model_output(root, plan, torch.zeros(1, 8, dtype=torch.long))
+    if ran is None or watch.calls:
+        return None
+    return False
+
+
+class _Aranges(TorchFunctionMode):
+    """Counts ``torch.arange`` calls: the usual way a forward builds positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.arange:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _model_output(root: nn.Module, plan: ModelPlan, ids: Tensor) -> Tensor | None:
+    weight = root.get_submodule(plan.embedding).weight
+    parts = plan.blocks.split(".")
+    for depth in range(len(parts)):
+        try:
+            out = root.get_submodule(".".join(parts[:depth]))(ids.to(weight.device))
+        except Exception:  # noqa: BLE001 - this module does not take token ids
+            continue
+        tensor = _first_tensor(out)
+        return tensor if tensor is not None and tensor.dim() >= 2 else None
+    return None
+
+
+def _first_tensor(out: object) -> Tensor | None:
+    if isinstance(out, Tensor):
+        return out if out.is_floating_point() else None
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, Tensor):
+        return logits
+    values = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
+    return next((t for t in map(_first_tensor, values) if t is not None), None)
+
+
+def _run(root: nn.Module, plan: ModelPlan) -> bool:
+    """Run the model on probe ids: the root, else each module on the way down to the blocks
+    (a LightningModule without ``forward`` usually holds a model that has one)."""
+    weight = root.get_submodule(plan.embedding).weight
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, plan.vocab_size, PROBE_SHAPE, generator=generator).to(weight.device)
+    parts = plan.blocks.split(".")
+    for depth in range(len(parts)):
+        candidate = root.get_submodule(".".join(parts[:depth]))
+        try:
+            candidate(ids)
+            return True
+        except Exception:  # noqa: BLE001 - any failure means: this module does not take token ids
+            continue
+    return False
+
+
+def _dependencies(capture: _Capture, columns: slice) -> set[int]:
+    """Features of the fused output that the row input's ``columns`` depend on."""
+    target = capture.row_input[..., columns]
+    cotangent = torch.randn(target.shape, generator=torch.Generator().manual_seed(1)).to(target)
+    (grad,) = torch.autograd.grad(target, capture.fused, cotangent, retain_graph=True, allow_unused=True)
+    if grad is None:
+        return set()
+    used = grad.reshape(-1, grad.size(-1)).abs().sum(0) != 0
+    return set(torch.nonzero(used).flatten().tolist())
+
+
+def _attention_layout(att: AttentionPlan, capture: _Capture) -> ColumnLayout:
+    h, kv, d = att.num_heads, att.num_kv_heads, att.head_dim
+    group = h // kv
+    width = (group + 2) * d  # one kv group interleaved: its q heads, its k, its v
+    concatenated = per_group = True
+    for head in (0, h - 1):
+        used = _dependencies(capture, slice(head * d, (head + 1) * d))
+        if not used:
+            return ColumnLayout.UNKNOWN
+        g = head // group
+        q = range(head * d, (head + 1) * d)
+        k = range(h * d + g * d, h * d + (g + 1) * d)
+        v = range((h + kv) * d + g * d, (h + kv) * d + (g + 1) * d)
+        concatenated &= used <= {*q, *k, *v}
+        per_group &= used <= set(range(g * width, (g + 1) * width))
+    if concatenated:
+        return ColumnLayout.SEGMENTS
+    return ColumnLayout.PER_GROUP if per_group else ColumnLayout.UNKNOWN
+
+
+def _gate_up_layout(mlp: MLPPlan, capture: _Capture) -> ColumnLayout:
+    inner = mlp.column[0].segments[0]
+    halves = pairs = True
+    partner_seen = False
+    for j in (0, inner - 1):
+        used = _dependencies(capture, slice(j, j + 1))
+        if not used:
+            return ColumnLayout.UNKNOWN
+        halves &= used <= {j, inner + j}
+        pairs &= used <= {2 * j, 2 * j + 1}
+        partner_seen |= len(used) > 1
+    if not partner_seen:
+        # One feature alone (an activation that zeroed its partner on every probe position):
+        # no evidence either way; keep the shape-based [gate | up] default.
+        return ColumnLayout.SEGMENTS if halves else ColumnLayout.UNKNOWN
+    if halves:
+        return ColumnLayout.SEGMENTS
+    return ColumnLayout.PER_GROUP if pairs else ColumnLayout.UNKNOWN
+
+
+def _with_layout(p: Projection, layout: ColumnLayout) -> Projection:
+    if layout is ColumnLayout.SEGMENTS:
+        return replace(p, layout=layout)
+    return replace(p, segments=(), layout=layout)
+
+
+def _describe(layout: ColumnLayout) -> str:
+    return {
+        ColumnLayout.SEGMENTS: "fused segments side by side",
+        ColumnLayout.PER_GROUP: "interleaved per head group (cut contiguously)",
+        ColumnLayout.UNKNOWN: "fused in an order not recognized (tensor parallelism refuses it)",
+    }[layout]
+
+
+def _summary(notes: list[str]) -> list[str]:
+    """One note per distinct observation, naming the first block it was seen in."""
+    seen: dict[str, str] = {}
+    for note in notes:
+        path, _, what = note.partition(": ")
+        seen.setdefault(what, path)
+    return [f"{path} (and alike): {what}" for what, path in seen.items()]
+
+
+def _noted(plan: ModelPlan, note: str) -> ModelPlan:
+    return replace(plan, notes=tuple(dict.fromkeys([*plan.notes, note])))
