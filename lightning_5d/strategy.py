@@ -42,6 +42,7 @@ from lightning_5d.config import (
     ParallelConfig,
     PipelineSchedule,
     StrategyOptions,
+    VerifyMode,
     ZeroStage,
     ineffective_settings,
     validate_early,
@@ -71,6 +72,7 @@ from lightning_5d.plan import describe, discover
 from lightning_5d.process_exit import leave_together_at_exit, mark_failed
 from lightning_5d.plan.blocks import ModelMappingError, find_blocks, require_blocks
 from lightning_5d.precision import FiveDPrecision, PrecisionError
+from lightning_5d.verify import PlanCheck
 
 
 def _sizes_text(config: ParallelConfig) -> str:
@@ -110,6 +112,7 @@ class FiveDStrategy(ParallelStrategy):
         keep_last_k: int | None = None,
         pretrained: str | os.PathLike | None = None,
         pretrained_prefix: str | None = None,
+        verify: str | VerifyMode = VerifyMode.BLOCKS,
         *,
         config: ParallelConfig | None = None,
         process_group_backend: str | None = None,
@@ -140,6 +143,7 @@ class FiveDStrategy(ParallelStrategy):
                 sequence_parallel=sequence_parallel,
                 model_plan=model_plan,
                 bucket_size_mb=bucket_size_mb,
+                verify=verify,
                 **({"rank_order": rank_order} if rank_order is not None else {}),
                 **{k: v for k, v in sections.items() if v is not None},
             )
@@ -389,6 +393,7 @@ class FiveDStrategy(ParallelStrategy):
         plan = discover(module, self.config.model_plan) if wanted else None
         if plan is not None:
             rank_zero_info(f"[lightning_5d] model plan:\n{describe(plan)}")
+        check = PlanCheck.before(module, plan, self.config, rewrites=wanted)  # weightless copies, before any dim
         if fp8:
             ac = self.config.activation_checkpointing != ActivationCheckpointing.NONE
             layout = {"tp": tp, "pp": pp, "ep": ep}
@@ -463,6 +468,9 @@ class FiveDStrategy(ParallelStrategy):
             )
             self._zero = ZeroSet([engine])
         # else: no data-parallel peers, nothing to reduce or shard: plain single-rank training.
+        report = check.after(module, mesh=self.mesh, tp=self._tp, cp=self._cp, pp=self._pp, ep=self._ep, precision=precision)
+        if report is not None:
+            rank_zero_info(f"[lightning_5d] plan verified: {report.summary()}")
 
     @override
     def setup_optimizers(self, trainer) -> None:
