@@ -42,7 +42,7 @@ def check(outcomes, case):
         assert "setup stopped before any training step" in result["error"]
         assert "verify='off'" in result["error"]
     else:
-        assert result["steps"] == 1
+        assert result["steps"] >= 1  # under pp the step runs once per microbatch (and once for the shapes)
 
 
 @pytest.mark.parametrize("case", FAST)
