@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 
 from lightning_5d.config import LayoutError, ParallelConfig, VerifyMode, ZeroStage
 from lightning_5d.plan import ModelMappingError, PlanConflictError, discover
@@ -145,6 +146,12 @@ class PlanCheck:
             recorder.remove()
             for m, training in modes.items():
                 m.training = training
+            # A forward with no backward leaves FSDP2's root unit gathered (the root keeps its
+            # parameters for the backward it expects); training's first step would then compute
+            # with, and put its gradients on, that stale gathered copy (seen under tp+SP x ZeRO-3).
+            for m in module.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
 
         for piece, live in held:
             report.results.append(self._compare(piece, live, recorder, layout, tp, device))
