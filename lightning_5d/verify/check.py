@@ -280,7 +280,14 @@ def _first_tensor(value: Any) -> Tensor | None:
 
 
 def _float(value: Any) -> Any:
-    """Floating tensors in fp32 (the reference computes in fp32); ids and masks unchanged."""
+    """Floating tensors in fp32 (the reference computes in fp32); ids and masks unchanged.
+
+    A key/value cache (Hugging Face's ``Cache``, made even in training when ``use_cache`` is
+    on) becomes None: the parallel blocks already filled it with their own (head-sharded)
+    keys and values, and a block given none computes the same attention without storing it.
+    """
+    if any(c.__name__ == "Cache" for c in type(value).__mro__):
+        return None
     if isinstance(value, Tensor):
         return value.float() if value.is_floating_point() else value
     if isinstance(value, (tuple, list)):
