@@ -60,3 +60,17 @@ def test_unsplit_layout_leaves_activations_as_they_are():
 def test_backbone_is_the_module_holding_embedding_blocks_and_head():
     plan = discover(LlamaLM(CONFIG))
     assert _backbone_path(plan) == "model"
+
+
+def test_a_key_value_cache_is_not_handed_to_the_reference():
+    from lightning_5d.verify.check import _float
+
+    class Cache:  # the name Hugging Face's cache classes derive from
+        pass
+
+    class DynamicCache(Cache):
+        pass
+
+    args = (torch.ones(2, dtype=torch.float64), DynamicCache(), torch.arange(3))
+    out = _float(args)
+    assert out[0].dtype == torch.float32 and out[1] is None and out[2].dtype == torch.long
