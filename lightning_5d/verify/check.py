@@ -132,7 +132,7 @@ class PlanCheck:
                 f"embedding, blocks and head are not held by one module whose forward takes token ids."
             )
             return None
-        held = self._held_pieces(module, ep, report)
+        held = self._held_pieces(module, ep, pp is not None, report)
         recorder = Recorder()
         for piece, live in held:
             recorder.watch(piece.path, live, inputs=True)
@@ -163,17 +163,21 @@ class PlanCheck:
         return report
 
     # ------------------------------------------------------------------ parts
-    def _held_pieces(self, module: nn.Module, ep: Any | None, report: CheckReport) -> list[tuple[Piece, nn.Module]]:
+    def _held_pieces(
+        self, module: nn.Module, ep: Any | None, pipelined: bool, report: CheckReport
+    ) -> list[tuple[Piece, nn.Module]]:
         """The pieces this rank holds (a pipeline stage holds some), with their live modules."""
         held = []
         for piece in self.pieces:
             live = live_module(module, piece.path)
-            if live is None or not _holds(live, piece):
-                continue  # another pipeline stage's piece: that stage checks it
             if ep is not None and piece.block_plan is not None and piece.block_plan.moe is not None:
-                # Expert dispatch may drop tokens (capacity) or add a routing bias by design: the
-                # one-process MoE is not the reference there.
+                # Expert dispatch may drop tokens (capacity) or add a routing bias by design, and
+                # under ep a rank holds only its experts: the one-process MoE is not the reference.
                 report.skipped.append(f"{piece.name} (MoE under expert dispatch)")
+                continue
+            if live is None or not _holds(live, piece):
+                if not pipelined:  # under pp: another stage's piece, which that stage checks
+                    report.skipped.append(f"{piece.name} (its tensors are not all on this rank)")
                 continue
             held.append((piece, live))
         return held
