@@ -15,8 +15,9 @@ from tests_support import SCRIPTS
 # Correct layouts are also checked by every other multi-process test: the verifier is on by
 # default, so each of their setups must pass it. Here the fast tier breaks plans on purpose;
 # the SP case also shows blocks and head passing next to the wrong embedding.
-FAST = ["scaled_embedding_tp2_sp", "fused_gate_up_tp2"]
-EXTENDED = ["tp2", "tp2_sp", "zero3", "cp2", "pp2", "scaled_embedding_tp2", "fused_gate_up_tp2_off", "scaled_embedding_cp2"]
+FAST = ["scaled_embedding_tp2_sp", "interleaved_qkv_tp2"]
+EXTENDED = ["tp2", "tp2_sp", "zero3", "cp2", "pp2", "scaled_embedding_tp2", "fused_gate_up_tp2",
+            "fused_gate_up_tp2_off", "scaled_embedding_cp2"]
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +54,24 @@ def test_verifier_fast(outcomes, case):
         # The lost sqrt(64) = 8x scale: relative error 1 - 1/8; blocks and head (SP-sharded) match.
         assert "embedding (model.embed_tokens): relative error 0.875" in error
         assert "block" not in error.split("probe input:")[1].split("A projection")[0]
-    if case == "fused_gate_up_tp2":
+    if case == "interleaved_qkv_tp2":
         assert "block 0 (model.layers.0)" in error and "block 1 (model.layers.1)" in error
-        # The fused projection itself is exact; what reads its halves goes wrong.
-        assert "first wrong output in execution order: model.layers.0.mlp.down_proj" in error
-        assert "matching: model.layers.0.attention.q_proj" in error and "mlp.gate_up_proj" in error
+        # The fused projection itself is exact; the attention that reads its columns per head (o_proj
+        # finishes first, the attention module with it) is not.
+        assert "first wrong output in execution order: model.layers.0.attention.o_proj:" in error
+        assert "matching: model.layers.0.attention.qkv" in error
+
+
+def check_fused_gate_up(error: str) -> None:
+    assert "block 0 (model.layers.0)" in error and "block 1 (model.layers.1)" in error
+    # The fused projection itself is exact; what reads its halves goes wrong.
+    assert "first wrong output in execution order: model.layers.0.mlp.down_proj" in error
+    assert "matching: model.layers.0.attention.q_proj" in error and "mlp.gate_up_proj" in error
 
 
 @pytest.mark.extended
 @pytest.mark.parametrize("case", EXTENDED)
 def test_verifier_extended(outcomes, case):
     check(outcomes, case)
+    if case == "fused_gate_up_tp2":
+        check_fused_gate_up(outcomes[0][case]["error"])

@@ -17,7 +17,7 @@ import torch
 import lightning_5d
 from lightning_5d.verify import PlanVerificationError
 from tests_support import make_datamodule
-from verify_models import FusedGateUpLM, MarkedLM, ScaledEmbeddingLM
+from verify_models import FusedGateUpLM, InterleavedQKVLM, MarkedLM, ScaledEmbeddingLM
 
 # name -> (module class, FiveDStrategy keyword arguments, expected outcome)
 CASES = {
@@ -29,6 +29,7 @@ CASES = {
     "scaled_embedding_tp2": (ScaledEmbeddingLM, {"tp": 2}, "fail"),
     "scaled_embedding_tp2_sp": (ScaledEmbeddingLM, {"tp": 2, "sequence_parallel": True}, "fail"),
     "fused_gate_up_tp2": (FusedGateUpLM, {"tp": 2, "model_plan": FusedGateUpLM.PLAN}, "fail"),
+    "interleaved_qkv_tp2": (InterleavedQKVLM, {"tp": 2}, "fail"),  # discovery's own plan reads [q|k|v]
     "fused_gate_up_tp2_off": (FusedGateUpLM, {"tp": 2, "model_plan": FusedGateUpLM.PLAN, "verify": "off"}, "pass"),
     "scaled_embedding_cp2": (ScaledEmbeddingLM, {"cp": 2}, "pass"),  # cp keeps the subclass's forward
 }

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_5d.models import LlamaLM
-from tests_support import TINY
+from tests_support import MODELS, TINY
 
 
 class ScaledEmbedding(nn.Embedding):
@@ -76,3 +76,40 @@ class FusedGateUpLM(MarkedLM):
             nn.init.normal_(mlp.gate_up_proj.weight, std=cfg.init_std)
             nn.init.normal_(mlp.down_proj.weight, std=cfg.init_std)
             layer.mlp = mlp
+
+
+class InterleavedQKVAttention(nn.Module):
+    """GPT-NeoX's layout: one ``qkv`` projection whose output columns are per head
+    ``[q_h | k_h | v_h]``, not ``[q | k | v]``; no rotary, to keep it small."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.head_dim = hidden // heads
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.o_proj = nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, -1, 3, self.head_dim).unbind(3)  # heads from the tensor (-1)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class InterleavedQKVLM(MarkedLM):
+    # A plan that calls the fused projection [q|k|v]: right for GPT-2 or Phi-3, wrong here.
+    PLAN = {
+        "model.layers.*.attention": "attention(heads=4, kv_heads=4)",
+        "model.layers.*.attention.qkv": "attention.qkv",
+        "model.layers.*.attention.o_proj": "attention.o",
+    }
+
+    def __init__(self, config=MODELS["tiny_kv4"], **kwargs):
+        super().__init__(config, **kwargs)
+        cfg = self.model.config
+        torch.manual_seed(11)
+        for layer in self.model.layers:
+            attention = InterleavedQKVAttention(cfg.hidden_size, cfg.num_heads)
+            nn.init.normal_(attention.qkv.weight, std=cfg.init_std)
+            nn.init.normal_(attention.o_proj.weight, std=cfg.init_std)
+            layer.attention = attention
