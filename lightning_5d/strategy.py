@@ -468,7 +468,10 @@ class FiveDStrategy(ParallelStrategy):
             )
             self._zero = ZeroSet([engine])
         # else: no data-parallel peers, nothing to reduce or shard: plain single-rank training.
-        report = check.after(module, mesh=self.mesh, tp=self._tp, cp=self._cp, pp=self._pp, ep=self._ep, precision=precision)
+        # Prove the applied plan before any training step (lightning_5d.verify; verify="off" skips it).
+        report = check.after(
+            module, mesh=self.mesh, tp=self._tp, cp=self._cp, pp=self._pp, ep=self._ep, precision=precision
+        )
         if report is not None:
             rank_zero_info(f"[lightning_5d] plan verified: {report.summary()}")
 

@@ -54,8 +54,8 @@ class CheckReport:
             return "no piece compared" + (f" ({'; '.join(self.skipped)})" if self.skipped else "")
         worst = max(self.results, key=lambda r: r.output.relative / r.tolerance)
         text = (
-            f"{len(self.results)} pieces on this rank match the unparallelized model in {self.seconds:.2f} s; closest to its "
-            f"tolerance: {worst.name}, relative error {worst.output.relative:.2g} (tolerance {worst.tolerance:g})"
+            f"{len(self.results)} pieces on this rank match the unparallelized model in {self.seconds:.2f} s; "
+            f"closest to its tolerance: {worst.name}, relative error {worst.output.relative:.2g} (tolerance {worst.tolerance:g})"
         )
         return text + (f"; not compared: {'; '.join(self.skipped)}" if self.skipped else "")
 
