@@ -46,6 +46,8 @@ def check(outcomes, case):
         assert result["steps"] >= 1  # under pp the step runs once per microbatch (and once for the shapes)
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
 @pytest.mark.parametrize("case", FAST)
 def test_verifier_fast(outcomes, case):
     check(outcomes, case)
@@ -69,7 +71,9 @@ def check_fused_gate_up(error: str) -> None:
     assert "matching: model.layers.0.attention.q_proj" in error and "mlp.gate_up_proj" in error
 
 
+@pytest.mark.distributed
 @pytest.mark.extended
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", EXTENDED)
 def test_verifier_extended(outcomes, case):
     check(outcomes, case)
