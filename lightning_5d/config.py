@@ -79,6 +79,13 @@ class SequenceSharding(str, Enum):
     CONTIGUOUS = "contiguous"  # cp chunks in order: rank r does r+1 causal blocks
 
 
+class VerifyMode(str, Enum):
+    """What setup proves about the applied plan before training (``lightning_5d.verify``)."""
+
+    BLOCKS = "blocks"  # embedding, each block, final norm + head against the unparallelized pieces
+    OFF = "off"  # no check: for a model whose probe forward cannot run, or to save its setup time
+
+
 class StageBalance(str, Enum):
     """How blocks are spread over the pipeline stages when no boundaries are given."""
 
@@ -180,6 +187,8 @@ class ParallelConfig:
     rank_order: RankOrder = DEFAULT_RANK_ORDER
     # 25 MB matches DDP's default: large enough to amortize launch cost, small enough to overlap.
     bucket_size_mb: Float(gt=0, allowed="a finite number > 0 (default 25)") = 25.0
+    # On by default: a plan that computes something other than the model would train without an error.
+    verify: EnumField(VerifyMode) = VerifyMode.BLOCKS
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     context: ContextConfig = field(default_factory=ContextConfig)
     expert: ExpertConfig = field(default_factory=ExpertConfig)

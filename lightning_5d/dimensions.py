@@ -60,6 +60,7 @@ from lightning_5d.plan import describe, discover
 from lightning_5d.plan.blocks import ModelMappingError, find_blocks, require_blocks
 from lightning_5d.plan.model_plan import ModelPlan
 from lightning_5d.precision import FiveDPrecision, PrecisionError
+from lightning_5d.verify import PlanCheck
 
 
 @dataclass
@@ -256,6 +257,7 @@ class ApplyContext:
     applied: AppliedDimensions
     plan: ModelPlan | None = None
     plan_needed: bool = False
+    plan_check: PlanCheck | None = None  # weightless copies of the pieces, taken before any dimension
 
     @property
     def layout(self) -> Layout:
@@ -309,6 +311,35 @@ class Discover(Step):
     def apply(self, ctx: ApplyContext) -> None:
         ctx.plan = discover(ctx.module, ctx.config.model_plan)
         rank_zero_info(f"[lightning_5d] model plan:\n{describe(ctx.plan)}")
+
+
+class SnapshotPieces(Step):
+    """Weightless (meta) copies of the embedding, blocks and head before any dimension changes
+    them: the unparallelized pieces :class:`Verify` compares against (``lightning_5d.verify``)."""
+
+    name = "snapshot"
+
+    def apply(self, ctx: ApplyContext) -> None:
+        # ctx.plan_needed: tp, cp, pp, expert dispatch or FP8 will rewrite the forward.
+        ctx.plan_check = PlanCheck.before(ctx.module, ctx.plan, ctx.config, rewrites=ctx.plan_needed)
+
+
+class Verify(Step):
+    """Prove the applied plan: each piece this rank holds against its unparallelized copy, on a
+    probe input, before any training step (``verify="off"`` skips it)."""
+
+    name = "verify"
+
+    def apply(self, ctx: ApplyContext) -> None:
+        if ctx.plan_check is None:
+            return
+        applied = ctx.applied
+        report = ctx.plan_check.after(
+            ctx.module, mesh=ctx.mesh, tp=applied.tp, cp=applied.cp, pp=applied.pp, ep=applied.ep,
+            precision=ctx.precision,
+        )  # fmt: skip
+        if report is not None:
+            rank_zero_info(f"[lightning_5d] plan verified: {report.summary()}")
 
 
 class Precision(Step):
@@ -489,6 +520,7 @@ class Data(Step):
 STEPS: tuple[Step, ...] = (
     Prepare(),
     Discover(),
+    SnapshotPieces(),
     Precision(),
     Tensor(),
     Expert(),
@@ -496,6 +528,7 @@ STEPS: tuple[Step, ...] = (
     ActivationCheckpointingStep(),
     Pipeline(),
     Data(),
+    Verify(),
 )
 
 

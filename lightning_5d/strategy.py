@@ -39,6 +39,7 @@ from lightning_5d.config import (
     LayoutError,
     ParallelConfig,
     StrategyOptions,
+    VerifyMode,
     ZeroStage,
     ineffective_settings,
 )
@@ -112,6 +113,7 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
         keep_last_k: int | None = None,
         pretrained: str | os.PathLike | None = None,
         pretrained_prefix: str | None = None,
+        verify: str | VerifyMode = VerifyMode.BLOCKS,
         *,
         config: ParallelConfig | None = None,
         process_group_backend: str | None = None,
@@ -140,6 +142,7 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
         config = _parallel_config(
             config, given, optional, activation_checkpointing=activation_checkpointing,
             sequence_parallel=sequence_parallel, model_plan=model_plan, bucket_size_mb=bucket_size_mb,
+            verify=verify,
         )  # fmt: skip
         validate_early(config)
         if not self._plan_layout:  # a planned layout's sizes are not known yet

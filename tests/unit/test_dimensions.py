@@ -14,6 +14,7 @@ def test_the_steps_run_in_torchtitan_order():
     assert [s.name for s in STEPS] == [
         "prepare",
         "discover",
+        "snapshot",
         "precision",
         "tensor",
         "expert",
@@ -21,6 +22,7 @@ def test_the_steps_run_in_torchtitan_order():
         "activation_checkpointing",
         "pipeline",
         "data",
+        "verify",
     ]
 
 

@@ -46,6 +46,7 @@ INVALID: list[tuple[str, dict]] = [
         )
     ],
     *[("bucket_size_mb", {"bucket_size_mb": bad}) for bad in (0, -1, NAN, INF, True, "abc")],
+    *[("verify", {"verify": bad}) for bad in (True, "layers", 1)],
     *[
         (field, {"pipeline": bad})
         for field, bad in (

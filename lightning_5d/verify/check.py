@@ -1,0 +1,334 @@
+"""Setup's proof that the applied plan computes what the model computes (design step 4, "verify").
+
+:meth:`PlanCheck.before` keeps weightless copies of the pieces before any dimension
+changes the model; :meth:`PlanCheck.after` runs the parallel model once on a probe batch,
+then for each piece this rank holds rebuilds the unparallelized piece with the full
+weights gathered from the parallel one, feeds it the full-shape input the parallel piece
+received and compares the outputs (:mod:`.compare`). Only one piece is ever held at full
+size. Every rank learns every failure (so no rank goes on to train while another stops),
+and setup raises :class:`PlanVerificationError` naming the piece, the first wrong output
+inside it and the numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
+
+from lightning_5d.config import ParallelConfig, VerifyMode, ZeroStage
+from lightning_5d.plan import discover
+from lightning_5d.plan.model_plan import ModelPlan
+from lightning_5d.verify.compare import Difference, PieceResult, PlanVerificationError, difference, mismatch_message
+from lightning_5d.verify.compare import tolerance_for
+from lightning_5d.verify.gather import ActivationLayout, full_weights
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_5d.verify.probe import (
+    ProbeError,
+    Recorder,
+    probe_call,
+    inner_paths,
+    live_module,
+    probe_ids,
+    probe_seq_len,
+    run_probe,
+)
+from lightning_5d.verify.skeleton import Piece, PieceKind, materialize, take_skeleton, tensor_names
+
+
+@dataclass
+class CheckReport:
+    """What one verification found on this rank, and what it cost."""
+
+    results: list[PieceResult] = field(default_factory=list)
+    seconds: float = 0.0
+    skipped: list[str] = field(default_factory=list)  # pieces not compared, with the reason
+
+    def summary(self) -> str:
+        if not self.results:
+            return "no piece compared" + (f" ({'; '.join(self.skipped)})" if self.skipped else "")
+        worst = max(self.results, key=lambda r: r.output.relative / r.tolerance)
+        text = (
+            f"{len(self.results)} pieces on this rank match the unparallelized model in {self.seconds:.2f} s; "
+            f"closest to its tolerance: {worst.name}, relative error {worst.output.relative:.2g} (tolerance {worst.tolerance:g})"
+        )
+        return text + (f"; not compared: {'; '.join(self.skipped)}" if self.skipped else "")
+
+
+class PlanCheck:
+    """The check of one setup: copies taken in :meth:`before`, the comparison in :meth:`after`."""
+
+    def __init__(
+        self, pieces: list[Piece], plan: ModelPlan | None, config: ParallelConfig, required: bool = True
+    ) -> None:
+        self.pieces = pieces
+        # False under ZeRO-3 alone: a model the probe cannot call is then skipped with a note, not refused.
+        self.required = required
+        self.plan = plan
+        self.config = config
+        self.report: CheckReport | None = None
+
+    @classmethod
+    def before(cls, module: nn.Module, plan: ModelPlan | None, config: ParallelConfig, rewrites: bool) -> "PlanCheck":
+        """Copies of the pieces, if the layout changes how the model computes and the check is on.
+
+        ``rewrites``: whether tp, cp, pp, ep/expert dispatch or FP8 will be applied; ZeRO-3
+        (FSDP2 replaces parameters and wraps forwards) counts too. ZeRO-0..2 alone leave the
+        forward untouched: nothing to prove.
+        """
+        wanted = config.verify != VerifyMode.OFF and (rewrites or config.zero == ZeroStage.PARAMETERS)
+        if not wanted:
+            return cls([], plan, config)
+        if plan is None:  # ZeRO-3 alone needs no plan; the check needs one to know what to call
+            try:
+                plan = discover(module, config.model_plan)
+            except Exception:  # noqa: BLE001 - whatever discovery trips on, ZeRO-3 alone trained before it
+                return cls([], None, config)  # FSDP2 wraps, but does not rewrite, what it cannot name
+        return cls(take_skeleton(module, plan), plan, config, required=rewrites)
+
+    def after(
+        self,
+        module: nn.Module,
+        *,
+        mesh: Any,
+        tp: Any | None = None,
+        cp: Any | None = None,
+        pp: Any | None = None,
+        ep: Any | None = None,
+        precision: Any | None = None,
+    ) -> CheckReport | None:
+        """Compare every piece this rank holds; raise :class:`PlanVerificationError` on any rank's mismatch."""
+        if not self.pieces:
+            return None
+        start = time.perf_counter()
+        device = _device_of(module)
+        sp = tp is not None and tp.sequence_parallel
+        seq_len = probe_seq_len(tp.size if tp is not None else 1, sp, cp.size if cp is not None else 1)
+        layout = ActivationLayout(
+            seq_len,
+            tp=tp.size if tp is not None else 1,
+            tp_group=tp.group if tp is not None else None,
+            sequence_parallel=sp,
+            cp=cp.size if cp is not None else 1,
+            cp_group=cp.group if cp is not None else None,
+            cp_sharding=cp.sharding if cp is not None else self.config.context.sharding,
+        )
+        rows = pp.microbatches if pp is not None else 1
+        batch = {"input_ids": probe_ids(_vocab_size(module, self.plan), rows, seq_len, device)}
+        batch["labels"] = batch["input_ids"]  # cp cuts labels with the ids (and refuses a batch without them)
+        report = CheckReport()
+
+        call = probe_call(module, self.plan)
+        if call is None:
+            if self.required:
+                run_probe(module, batch, lambda _b: module(_b["input_ids"]))  # raises ProbeError with the way out
+            rank_zero_warn(
+                f"the plan verifier skipped {type(module).__name__}: it has no forward(input_ids) and its "
+                f"embedding, blocks and head are not held by one module whose forward takes token ids."
+            )
+            return None
+        held = self._held_pieces(module, ep, pp is not None, report)
+        recorder = Recorder()
+        for piece, live in held:
+            recorder.watch(piece.path, live, inputs=True)
+            for inner, _ in inner_paths(piece):
+                recorder.watch(f"{piece.path}.{inner}", live.get_submodule(inner), inputs=False)
+        modes = {m: m.training for m in module.modules()}
+        module.eval()  # dropout off on both sides: the reference pieces are compared in eval mode too
+        try:
+            run_probe(module, batch, self._forward(call, cp, pp, precision))
+        except ProbeError as err:
+            if self.required:
+                raise
+            rank_zero_warn(f"{err} Under ZeRO-3 alone the check is skipped instead.")  # FSDP2 does not rewrite
+            return None
+        finally:
+            recorder.remove()
+            for m, training in modes.items():
+                m.training = training
+            # A forward with no backward leaves FSDP2's root unit gathered (the root keeps its
+            # parameters for the backward it expects); training's first step would then compute
+            # with, and put its gradients on, that stale gathered copy (seen under tp+SP x ZeRO-3).
+            for m in module.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
+
+        for piece, live in held:
+            report.results.append(self._compare(piece, live, recorder, layout, tp, device))
+        report.seconds = time.perf_counter() - start
+        self.report = report
+        failed = _everyone(report.results)
+        if failed:
+            raise PlanVerificationError(mismatch_message(failed, mesh.layout.describe()))
+        return report
+
+    # ------------------------------------------------------------------ parts
+    def _held_pieces(
+        self, module: nn.Module, ep: Any | None, pipelined: bool, report: CheckReport
+    ) -> list[tuple[Piece, nn.Module]]:
+        """The pieces this rank holds (a pipeline stage holds some), with their live modules."""
+        held = []
+        for piece in self.pieces:
+            live = live_module(module, piece.path)
+            if ep is not None and piece.block_plan is not None and piece.block_plan.moe is not None:
+                # Expert dispatch may drop tokens (capacity) or add a routing bias by design, and
+                # under ep a rank holds only its experts: the one-process MoE is not the reference.
+                report.skipped.append(f"{piece.name} (MoE under expert dispatch)")
+                continue
+            if live is None or not _holds(live, piece):
+                if not pipelined:  # under pp: another stage's piece, which that stage checks
+                    report.skipped.append(f"{piece.name} (its tensors are not all on this rank)")
+                continue
+            held.append((piece, live))
+        return held
+
+    @staticmethod
+    def _forward(call: Any, cp: Any | None, pp: Any | None, precision: Any | None):
+        def one(batch: dict[str, Tensor]) -> None:
+            if cp is None:
+                call(batch["input_ids"])
+                return
+            local = cp.begin(batch)
+            try:
+                call(local["input_ids"])
+            finally:
+                cp.end()
+
+        def forward(batch: dict[str, Tensor]) -> None:
+            fp8 = precision is not None and getattr(precision, "fp8", None) is not None
+            # FP8 linears compute in bf16 here: the check proves the layout; FP8's own error is the
+            # numerics guard's job (FiveDPrecision(numerics_check_every=...)).
+            with precision.fp8_off() if fp8 else _nothing():
+                if pp is None:
+                    one(batch)
+                else:
+                    from lightning_5d.parallel.pipeline import PipelineMode
+
+                    pp.run(PipelineMode.EVAL, one, batch)
+
+        return forward
+
+    def _compare(
+        self, piece: Piece, live: nn.Module, recorder: Recorder, layout: ActivationLayout, tp: Any, device
+    ) -> PieceResult:
+        record = recorder.records[piece.path]
+        inners = inner_paths(piece)
+        # Collectives first, in the same order on every rank that holds this piece.
+        full = full_weights(live, piece.path, tensor_names(piece.copy), tp)
+        args = _float(layout.full(record.args))
+        kwargs = _float(layout.full(record.kwargs))
+        output = layout.full(record.output)
+        parts_par = {}
+        for inner, segments in inners:
+            value = recorder.records[f"{piece.path}.{inner}"].output
+            parts_par[inner] = layout.full(value) if segments is None else layout.full_columns(value, segments)
+        if not record.done:
+            missing = Difference(float("inf"), float("inf"), "did not run in the parallel model's probe forward")
+            return PieceResult(piece.name, piece.path, missing, tolerance_for(torch.float32))
+
+        parallel_out = _first_tensor(output)
+        tolerance = tolerance_for(parallel_out.dtype if parallel_out is not None else torch.float32)
+        reference = materialize(piece, full, device)
+        del full
+        inner_recorder = Recorder()
+        order: list[str] = []
+        for inner, _ in inners:
+            inner_recorder.watch(inner, reference.get_submodule(inner), inputs=False)
+            reference.get_submodule(inner).register_forward_hook(lambda *_a, _p=inner: order.append(_p))
+        try:
+            with torch.no_grad():
+                ref_out = reference(*args, **kwargs)
+        except Exception as err:  # the parallel piece ran on these inputs; the model's own could not
+            note = f"the unparallelized piece fails on the inputs the parallel one got: {type(err).__name__}: {err}"
+            return PieceResult(piece.name, piece.path, Difference(float("inf"), float("inf"), note), tolerance)
+        finally:
+            inner_recorder.remove()
+        residual = _first_tensor(args) if piece.kind == PieceKind.BLOCK else None
+        if residual is None and piece.kind == PieceKind.BLOCK:
+            residual = _first_tensor(kwargs)
+        out = difference(parallel_out, _first_tensor(ref_out), residual)
+        parts = []
+        for inner in dict.fromkeys(order):  # the reference's execution order, each module once
+            par = _first_tensor(parts_par.get(inner))
+            ref = _first_tensor(inner_recorder.records[inner].output)
+            if par is not None and ref is not None:
+                parts.append((f"{piece.path}.{inner}", difference(par, ref)))
+        del reference
+        return PieceResult(piece.name, piece.path, out, tolerance, tuple(parts))
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _holds(live: nn.Module, piece: Piece) -> bool:
+    names = set(dict(live.named_parameters(remove_duplicate=False))) | set(dict(live.named_buffers()))
+    return all(n in names for n in tensor_names(piece.copy) if n in dict(piece.copy.named_parameters()))
+
+
+def _first_tensor(value: Any) -> Tensor | None:
+    if isinstance(value, Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            found = _first_tensor(v)
+            if found is not None:
+                return found
+    if isinstance(value, dict):
+        return _first_tensor(list(value.values()))
+    return None
+
+
+def _float(value: Any) -> Any:
+    """Floating tensors in fp32 (the reference computes in fp32); ids and masks unchanged.
+
+    A key/value cache (Hugging Face's ``Cache``, made even in training when ``use_cache`` is
+    on) becomes None: the parallel blocks already filled it with their own (head-sharded)
+    keys and values, and a block given none computes the same attention without storing it.
+    """
+    if any(c.__name__ == "Cache" for c in type(value).__mro__):
+        return None
+    if isinstance(value, Tensor):
+        return value.float() if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_float(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _float(v) for k, v in value.items()}
+    return value
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _vocab_size(module: nn.Module, plan: ModelPlan | None) -> int:
+    if plan is not None and plan.vocab_size:
+        return plan.vocab_size
+    sizes = [m.num_embeddings for m in module.modules() if isinstance(m, nn.Embedding)]
+    return min(sizes) if sizes else 2
+
+
+def _everyone(results: list[PieceResult]) -> list[PieceResult]:
+    """The failures of every rank, once per piece, in model order (a collective over the world)."""
+    mine = [r for r in results if r.failed]
+    if not (dist.is_available() and dist.is_initialized()):
+        return mine
+    gathered: list[list[PieceResult] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    seen: dict[str, PieceResult] = {}
+    for rank_results in gathered:
+        for r in rank_results or []:
+            seen.setdefault(r.path, r)
+    return list(seen.values())

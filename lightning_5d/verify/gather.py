@@ -1,0 +1,102 @@
+"""Full shapes from a rank's parts: a piece's weights, and the activations it saw and made.
+
+Weights: a ZeRO-3 (FSDP2) shard is a ``DTensor`` (``full_tensor()`` gathers it over the data
+ranks); a tp cut is undone by the :class:`~lightning_5d.parallel.tensor.TensorShard` that made
+it (fused segments included).
+
+Activations follow the layouts the dimensions give them, read from their shapes against
+the probe's sequence length ``S``:
+
+* a ``DTensor`` (the head's vocabulary-sharded logits) → ``full_tensor()``;
+* the sequence dim (dim 1 of a batch-first tensor, dim 0 of a 1-D position vector) of
+  length ``S/(cp·tp)`` under sequence parallelism → concatenated over tp (SP cuts it
+  contiguously), then of length ``S/cp`` → reassembled over cp in its sharding order
+  (zig-zag: rank r holds chunks r and 2·cp−1−r);
+* the last dim of a column-parallel projection's output → reassembled over tp with the
+  projection's segments (a fused ``[q|k|v]`` is cut per segment).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from lightning_5d.config import SequenceSharding
+from lightning_5d.parallel.context.ring import contiguous_unshard, zigzag_unshard
+from lightning_5d.parallel.tensor.sharding import TensorShard
+
+
+def _gather_list(t: Tensor, group: dist.ProcessGroup, size: int) -> list[Tensor]:
+    parts = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return parts
+
+
+@dataclass(frozen=True)
+class ActivationLayout:
+    """How the probe's activations are cut on this rank (sizes 1 mean "not cut")."""
+
+    seq_len: int
+    tp: int = 1
+    tp_group: dist.ProcessGroup | None = None
+    sequence_parallel: bool = False
+    cp: int = 1
+    cp_group: dist.ProcessGroup | None = None
+    cp_sharding: SequenceSharding = SequenceSharding.ZIGZAG
+
+    def full(self, value: Any) -> Any:
+        """``value`` (a tensor, or tuples/lists/dicts of them) at the one-process shape."""
+        if isinstance(value, (tuple, list)):
+            return type(value)(self.full(v) for v in value)
+        if isinstance(value, dict):
+            return {k: self.full(v) for k, v in value.items()}
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        if not isinstance(value, Tensor) or value.dim() == 0:
+            return value
+        dim = 1 if value.dim() >= 2 else 0
+        length = value.size(dim)
+        if self.sequence_parallel and self.tp > 1 and length * self.tp * self.cp == self.seq_len:
+            value = torch.cat(_gather_list(value, self.tp_group, self.tp), dim=dim)
+            length = value.size(dim)
+        if self.cp > 1 and length * self.cp == self.seq_len:
+            parts = _gather_list(value, self.cp_group, self.cp)
+            unshard = zigzag_unshard if self.cp_sharding == SequenceSharding.ZIGZAG else contiguous_unshard
+            value = unshard(parts, dim)
+        return value
+
+    def full_columns(self, value: Any, segments: tuple[int, ...]) -> Any:
+        """A column-parallel projection's output: last dim over tp (per segment), then :meth:`full`."""
+        if isinstance(value, Tensor) and not isinstance(value, DTensor) and self.tp > 1 and value.dim() >= 1:
+            shard = TensorShard(value.dim() - 1, tuple(segments))
+            value = shard.assemble(_gather_list(value, self.tp_group, self.tp))
+        return self.full(value)
+
+
+def full_weights(live: nn.Module, prefix: str, names: Iterable[str], tp: Any | None) -> dict[str, Tensor]:
+    """Each named tensor of the live (parallel) piece at its full shape; ``prefix`` is its path.
+
+    ``tp`` is the strategy's TensorParallel (or None): it knows how each parameter was cut.
+    A collective over the data ranks (FSDP2 shards) and over tp: every rank holding this
+    piece calls it with the same names in the same order.
+    """
+    tensors = dict(live.named_parameters(remove_duplicate=False))
+    tensors.update(dict(live.named_buffers(remove_duplicate=False)))
+    out: dict[str, Tensor] = {}
+    for name in names:
+        if name not in tensors:
+            raise KeyError(name)
+        value = tensors[name]
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        value = value.detach()
+        full_name = f"{prefix}.{name}" if prefix else name
+        if tp is not None and tp.is_sharded(full_name):
+            value = tp.full_state({full_name: value})[full_name]
+        out[name] = value
+    return out

@@ -1,0 +1,177 @@
+"""One forward of the parallel model on a probe batch, recording what each piece saw and made.
+
+Hooks on every piece this rank holds record the first call's arguments (as the
+dimensions' pre-hooks left them: under sequence parallelism the first block's shard, under
+pp the activation received from the previous stage) and output (after the dimensions' own
+forward hooks: the head's logits as a vocabulary-sharded ``DTensor``); inside
+a block, the outputs of the modules the plan names (projections, attention, MLP) are
+recorded too, so a wrong block can be narrowed down to the output that first goes wrong.
+
+The probe is random token ids ``[rows, S]`` drawn from a fixed seed, the same on every
+rank; the model is called as ``module(input_ids)`` (the LightningModule's ``forward``, or,
+when it has none, the forward of the module that holds the embedding, blocks and head).
+Under cp the batch is cut by the strategy's own :class:`ContextParallel` first; under pp it
+runs through the pipeline's forward-only path, each stage recording its own pieces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from lightning_5d.plan.model_plan import ModelPlan
+from lightning_5d.verify.skeleton import Piece, PieceKind
+
+PROBE_SEED = 1234  # any fixed value: every rank must draw the same ids
+
+
+class ProbeError(RuntimeError):
+    """The probe forward could not run; the message says how to make it run or how to skip the check."""
+
+
+@dataclass
+class Record:
+    """What one piece (or one module inside a block) saw and made in its first call."""
+
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    output: Any = None
+    done: bool = False
+
+
+def probe_ids(vocab_size: int, rows: int, seq_len: int, device: torch.device) -> Tensor:
+    generator = torch.Generator().manual_seed(PROBE_SEED)
+    return torch.randint(0, vocab_size, (rows, seq_len), generator=generator).to(device)
+
+
+def probe_seq_len(tp: int, sequence_parallel: bool, cp: int) -> int:
+    """A sequence the layout can cut (2·cp zig-zag chunks, each split over tp under SP), >= 16 tokens."""
+    unit = 2 * cp * (tp if sequence_parallel else 1)
+    return unit * max(1, -(-16 // unit))
+
+
+class Recorder:
+    """Forward (pre-)hooks on the live pieces and on the named modules inside blocks."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, Record] = {}
+        self._handles: list = []
+
+    def watch(self, path: str, module: nn.Module, inputs: bool) -> None:
+        record = self.records.setdefault(path, Record())
+
+        # One forward hook: torch hands it the arguments as every pre-hook left them (tp's
+        # sequence scatter, the pipeline's received activation, registered later than this).
+        def after(_m: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if record.done:
+                return
+            if inputs:
+                record.args, record.kwargs = _detached(args), _detached(kwargs)
+            record.output, record.done = _detached(output), True
+
+        self._handles.append(module.register_forward_hook(after, with_kwargs=True))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_detached(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    return value
+
+
+def inner_paths(piece: Piece) -> list[tuple[str, tuple[int, ...] | None]]:
+    """Modules inside a block to compare, relative to it, with the column segments of column projections.
+
+    ``None`` marks an output that is not column-cut (row projections, attention, MLP).
+    """
+    plan = piece.block_plan
+    if piece.kind != PieceKind.BLOCK or plan is None:
+        return []
+    found: list[tuple[str, tuple[int, ...] | None]] = []
+    att = plan.attention
+    for p in att.column:
+        found.append((p.path, p.segments))
+    found.append((att.o.path, None))
+    found.append((att.path, None))
+    if plan.mlp is not None:
+        found.extend((p.path, p.segments) for p in plan.mlp.column)
+        found.extend((p.path, None) for p in plan.mlp.row)
+        found.append((plan.mlp.path, None))
+    seen: set[str] = set()
+    return [(p, s) for p, s in found if p and not (p in seen or seen.add(p))]
+
+
+def live_module(root: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return root.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _backbone_path(plan: ModelPlan | None) -> str:
+    """The deepest module holding the embedding, the blocks and the head ("" for the root)."""
+    if plan is None:
+        return ""
+    paths = [p.split(".") for p in (plan.embedding, plan.blocks, plan.head) if p]
+    common: list[str] = []
+    for parts in zip(*paths):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    return ".".join(common[: min(len(p) for p in paths) - 1] if paths else [])
+
+
+def probe_call(module: nn.Module, plan: ModelPlan | None) -> Callable[[Tensor], Any] | None:
+    """How to run the model on token ids: the LightningModule's own ``forward`` if it has one,
+    else the backbone's (a Hugging Face ``*ForCausalLM`` held as an attribute). The call always
+    goes through the LightningModule, whose hooks (FSDP2's unshard of the root's parameters)
+    must fire. None when neither exists."""
+    from lightning.pytorch import LightningModule
+
+    if type(module).forward is not LightningModule.forward:
+        return module
+    path = _backbone_path(plan)
+    if not path:
+        return None
+    backbone = module.get_submodule(path)
+
+    def call(ids: Tensor) -> Any:
+        module.forward = lambda input_ids: backbone(input_ids)  # only for this call: an instance attribute
+        try:
+            return module(ids)
+        finally:
+            del module.forward
+
+    return call
+
+
+def run_probe(
+    module: nn.Module,
+    batch: dict[str, Tensor],
+    forward: Callable[[dict[str, Tensor]], None],
+) -> None:
+    """``forward(batch)`` without gradients; a failure becomes a :class:`ProbeError` with the way out."""
+    try:
+        with torch.no_grad():
+            forward(batch)
+    except ProbeError:
+        raise
+    except Exception as err:
+        raise ProbeError(
+            f"the plan verifier could not run {type(module).__name__} on probe token ids of shape "
+            f"{tuple(batch['input_ids'].shape)}: {type(err).__name__}: {err}. The check calls the LightningModule's "
+            f"forward with token ids (or, without one, the forward of the module holding the embedding, blocks and "
+            f"head); give the LightningModule a `forward(input_ids)` that runs the model, or pass "
+            f"FiveDStrategy(verify='off') (l5d train: +parallel.verify=off) to train without the check."
+        ) from err

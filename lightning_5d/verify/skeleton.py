@@ -1,0 +1,100 @@
+"""The unparallelized pieces, kept as weightless copies until each is checked.
+
+Taken before any dimension changes the model: each piece (embedding, position embedding,
+every block, final norm, head) is deep-copied with every parameter and buffer replaced by
+a tensor on the ``meta`` device, so the copy keeps the piece's own classes, attributes and
+``forward`` (an embedding subclass that scales its output, a head count read at forward
+time) at no memory cost. One piece at a time is then given real storage, filled with the
+full weights gathered from the parallel model, run, and dropped (:func:`materialize`).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from enum import Enum
+from typing import Mapping
+
+import torch
+from torch import Tensor, nn
+
+from lightning_5d.plan.blocks import find_blocks
+from lightning_5d.plan.model_plan import BlockPlan, ModelPlan
+
+
+class PieceKind(str, Enum):
+    EMBEDDING = "embedding"
+    POSITION_EMBEDDING = "position embedding"
+    BLOCK = "block"
+    FINAL_NORM = "final norm"
+    HEAD = "head"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One unit of the check: where it lives in the model and its weightless copy."""
+
+    kind: PieceKind
+    path: str  # dotted path from the LightningModule
+    copy: nn.Module  # on the meta device
+    index: int | None = None  # the block index
+    block_plan: BlockPlan | None = None  # what is inside a block (for naming its wrong projection)
+
+    @property
+    def name(self) -> str:
+        return f"block {self.index}" if self.kind == PieceKind.BLOCK else self.kind.value
+
+
+def _weightless(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` whose tensors live on the meta device (no storage is copied)."""
+    memo: dict[int, object] = {}
+    for p in module.parameters(recurse=True):
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in module.buffers(recurse=True):
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(module, memo)
+
+
+def take_skeleton(module: nn.Module, plan: ModelPlan | None) -> list[Piece]:
+    """The pieces of ``module`` as ``plan`` names them (blocks only when there is no plan)."""
+    pieces: list[Piece] = []
+    if plan is None:
+        path, blocks = find_blocks(module)
+        return [
+            Piece(PieceKind.BLOCK, f"{path}.{i}" if path else str(i), _weightless(b), index=i)
+            for i, b in enumerate(blocks)
+        ]
+    for kind, path in ((PieceKind.EMBEDDING, plan.embedding), (PieceKind.POSITION_EMBEDDING, plan.position_embedding)):
+        if path:
+            pieces.append(Piece(kind, path, _weightless(module.get_submodule(path))))
+    for i, block_plan in enumerate(plan.block_plans):
+        path = plan.block_path(i)
+        pieces.append(Piece(PieceKind.BLOCK, path, _weightless(module.get_submodule(path)), i, block_plan))
+    for kind, path in ((PieceKind.FINAL_NORM, plan.final_norm), (PieceKind.HEAD, plan.head)):
+        if path:
+            pieces.append(Piece(kind, path, _weightless(module.get_submodule(path))))
+    return pieces
+
+
+def tensor_names(module: nn.Module) -> list[str]:
+    """Every parameter and buffer of ``module`` (non-persistent buffers too: a rotary table)."""
+    names = [n for n, _ in module.named_parameters(remove_duplicate=False)]
+    return names + [n for n, _ in module.named_buffers(remove_duplicate=False)]
+
+
+def materialize(piece: Piece, full: Mapping[str, Tensor], device: torch.device) -> nn.Module:
+    """The unparallelized piece in fp32 on ``device``, holding the full tensors ``full`` (by name)."""
+    reference = copy.deepcopy(piece.copy).to_empty(device=device)
+    with torch.no_grad():
+        for name in tensor_names(reference):
+            owner_path, _, leaf = name.rpartition(".")
+            owner = reference.get_submodule(owner_path)
+            value = full[name].to(device)
+            if value.is_floating_point():
+                value = value.float()
+            current = getattr(owner, leaf)
+            if isinstance(current, nn.Parameter):
+                setattr(owner, leaf, nn.Parameter(value.clone(), requires_grad=False))
+            else:
+                setattr(owner, leaf, value.clone())
+    return reference.eval() if not piece.copy.training else reference
