@@ -181,6 +181,11 @@ class PlanCheck:
                 # under ep a rank holds only its experts: the one-process MoE is not the reference.
                 report.skipped.append(f"{piece.name} (MoE under expert dispatch)")
                 continue
+            if live is not None and type(live).forward is nn.Module.forward:
+                # A container block (a ModuleList of layers): the model's own loop calls its
+                # children, so there is no call of the block whose input and output could be compared.
+                report.skipped.append(f"{piece.name} (a container without forward)")
+                continue
             if live is None or not _holds(live, piece):
                 if not pipelined:  # under pp: another stage's piece, which that stage checks
                     report.skipped.append(f"{piece.name} (its tensors are not all on this rank)")

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from discover_models import hand_reference_run
-from lightning_5d.testing import run_distributed
-from tests_support import SCRIPTS, relative
+from tests_support import SCRIPTS, relative, run_distributed
 
 ADVICE = {"layers.*.attn": "attention(heads=4)"}  # what the tp refusal of the PLAIN model suggests
 GATE_UP_PLAN = {"layers.*.mlp.gate_up_proj": "mlp.column", "layers.*.mlp.down_proj": "mlp.row"}
