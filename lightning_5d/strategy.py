@@ -46,6 +46,7 @@ from lightning_5d.config import (
     ineffective_settings,
     validate_early,
 )
+from lightning_5d.materialize import InitLog, MetaBuild
 from lightning_5d.layout_rules import (
     Combination,
     ep_sequence_parallel,
@@ -176,6 +177,8 @@ class FiveDStrategy(ParallelStrategy):
         # Weights to start from (a plain or Hugging Face state dict), read once after parallelizing.
         self._pretrained = (options.pretrained, options.pretrained_prefix) if options.pretrained is not None else None
         self.pretrained_load: PretrainedLoad | None = None  # what was loaded: names, prefix, groups
+        # Models built on the meta device: what their construction recorded, materialized per shard.
+        self._meta = MetaBuild(InitLog())
         self.num_nodes = 1
 
     @property
@@ -322,8 +325,9 @@ class FiveDStrategy(ParallelStrategy):
         precision = self._five_d_precision
         if precision is not None:
             precision.device_type = self.root_device.type
+        self._meta.capture(self.lightning_module)  # before any conversion renames or recasts a meta tensor
         self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
+        self._meta.to_device(self.model, self.root_device) if self._meta.active else self.model_to_device()
         self._parallelize(self.lightning_module)
         if self._pretrained is not None:
             # Each rank reads only its own pieces; a ckpt_path given to fit is restored after
@@ -372,7 +376,8 @@ class FiveDStrategy(ParallelStrategy):
         fp8 = precision is not None and precision.fp8 is not None
         if precision is not None and self.config.zero != ZeroStage.PARAMETERS:
             precision.cast_parameters(module)  # ZeRO-3 keeps fp32 shards: FSDP2 casts per all-gather
-        broadcast_module(module, self.mesh)
+        if not self._meta.active:  # a meta-built model is filled from its recorded init on every rank alike
+            broadcast_module(module, self.mesh)
         tp, cp, pp, ep = self.mesh.size("tp"), self.mesh.size("cp"), self.mesh.size("pp"), self.layout.ep
         combination = self._combination(precision)
         if precision is not None:
@@ -414,6 +419,8 @@ class FiveDStrategy(ParallelStrategy):
             if self._ep is not None:
                 self._ep.drop_absent(module)
             rank_zero_info(f"[lightning_5d] pipeline: {self._pp.describe()}")
+        if self.config.zero != ZeroStage.PARAMETERS:  # ZeRO-0..2 engines take the real parameters
+            self._materialize(module)
         if self.config.zero == ZeroStage.PARAMETERS:
             _, blocks = find_blocks(module)
             policy = precision.fsdp_policy() if precision is not None else None
@@ -430,6 +437,7 @@ class FiveDStrategy(ParallelStrategy):
             if self._pp is not None:
                 adopt_stage_units(self._fsdp_units)
                 self._pp.divide_loss_by_microbatches = True
+            self._materialize(module)  # after fully_shard: each rank allocates only its shards
         elif ep > 1:
             # Expert gradients reduce over the ranks holding the same experts, the rest over dp x cp.
             is_expert, stage, mb = self._ep.is_expert, self.config.zero, self.config.bucket_size_mb
@@ -463,6 +471,24 @@ class FiveDStrategy(ParallelStrategy):
             )
             self._zero = ZeroSet([engine])
         # else: no data-parallel peers, nothing to reduce or shard: plain single-rank training.
+
+    def _materialize(self, module: torch.nn.Module) -> None:
+        if not self._meta.active:
+            return
+        load = lambda chunk: self.load_model_state_dict({"state_dict": chunk}, strict=False)  # noqa: E731
+        self._meta.materialize(module, self.root_device, load, [self._tp, self._ep, self._pp])
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``empty_init`` True or None (configure_model): build on the meta device and record the
+        initialization; setup materializes each rank's pieces with a single process's values."""
+        if empty_init is False:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with self._meta.recording(), self.precision_plugin.tensor_init_context():
+            yield
 
     @override
     def setup_optimizers(self, trainer) -> None:

@@ -1,0 +1,166 @@
+"""Give a meta-built, already parallelized model real tensors: each rank only its own pieces.
+
+Step 4 of the design ("build on meta, apply the dimensions, then materialize"):
+
+1. :func:`capture` (before any dimension cuts the model): every parameter and buffer name
+   of the unsplit model -> its recorded storage (:mod:`record`). Tensors the recording
+   never gave defined contents (a model put on meta outside our context, a parameter made
+   with ``torch.empty`` and never filled) get one more chance: the module's own init
+   methods run under the recorder (Hugging Face ``initialize_weights``, then the nearest
+   ``init_weights()``, then ``reset_parameters()``); what is still undefined is a
+   :class:`MaterializeError` naming the module and what it must provide.
+2. :func:`materialize` (after the dimensions): meta tensors become empty tensors on the
+   device (``_apply``, so FSDP2's DTensor shards are allocated at their local size), then
+   the full value of each name this rank holds is recomputed (:mod:`replay`), one tensor
+   at a time, and handed to ``load`` (the strategy's state-dict loading, which keeps the
+   rank's tp/ep/pp piece and FSDP2 shard); non-persistent buffers are copied in directly.
+
+Peak memory: the rank's share plus one full tensor (``group_bytes`` batches small ones).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import torch
+from torch import Tensor, nn
+
+from lightning_5d.materialize.record import InitLog, Ref, recording
+from lightning_5d.materialize.replay import Replay
+
+_WRAPPED = "_checkpoint_wrapped_module."  # activation checkpointing's wrapper (state dicts drop it)
+
+
+class MaterializeError(RuntimeError):
+    """A meta-built model part that cannot be given the values a single process would give it."""
+
+
+def has_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in _tensors(module))
+
+
+def _tensors(module: nn.Module) -> list[Tensor]:
+    return list(module.parameters()) + list(module.buffers())
+
+
+def to_device_except_meta(module: nn.Module, device: torch.device) -> None:
+    """``module.to(device)`` for the tensors that exist; meta ones wait for :func:`materialize`."""
+    module._apply(lambda t: t if t.is_meta else t.to(device))
+
+
+def _named(module: nn.Module) -> dict[str, Tensor]:
+    named = dict(module.named_parameters(remove_duplicate=False))
+    named.update(module.named_buffers(remove_duplicate=False))
+    return named
+
+
+def capture(module: nn.Module, log: InitLog) -> dict[str, Ref]:
+    """Name -> recorded ref for every meta tensor of the unsplit ``module`` (see the module docstring)."""
+    refs, undefined = _refs(module, log)
+    if undefined:
+        _run_init_methods(module, log, undefined)
+        refs, undefined = _refs(module, log)
+    if undefined:
+        raise MaterializeError(_undefined_report(module, undefined))
+    return refs
+
+
+def _refs(module: nn.Module, log: InitLog) -> tuple[dict[str, Ref], dict[str, str]]:
+    replay = Replay(log)
+    refs: dict[str, Ref] = {}
+    undefined: dict[str, str] = {}
+    for name, t in _named(module).items():
+        if not t.is_meta:
+            continue
+        ref = log.ref(t)
+        why = "it was put on the meta device outside the strategy's init context" if ref is None else replay.defined(ref.key)
+        if why is None:
+            refs[name] = ref
+        else:
+            undefined[name] = why
+    return refs, undefined
+
+
+def _owner(module: nn.Module, name: str) -> tuple[str, nn.Module]:
+    path = name.rpartition(".")[0]
+    return path, module.get_submodule(path) if path else module
+
+
+def _run_init_methods(module: nn.Module, log: InitLog, undefined: Mapping[str, str]) -> None:
+    """The model's own init methods, recorded, for the modules owning undefined tensors."""
+    owners = {path: m for path, m in (_owner(module, n) for n in undefined)}
+    done: set[int] = set()
+    with recording(log), torch.no_grad():
+        for path, m in owners.items():
+            chain = [module.get_submodule(".".join(path.split(".")[:i])) for i in range(path.count(".") + 2)] if path else [module]
+            hf = next((a for a in reversed(chain) if hasattr(a, "initialize_weights") and hasattr(a, "_init_weights")), None)
+            whole = next((a for a in reversed(chain) if callable(getattr(a, "init_weights", None))), None)
+            if hf is not None:
+                if id(hf) not in done:
+                    done.add(id(hf))
+                    hf.initialize_weights()
+            elif whole is not None:
+                if id(whole) not in done:
+                    done.add(id(whole))
+                    whole.init_weights()
+            elif callable(getattr(m, "reset_parameters", None)):
+                m.reset_parameters()
+
+
+def _undefined_report(module: nn.Module, undefined: Mapping[str, str]) -> str:
+    lines = ["a model built on the meta device has tensors no rank can initialize as a single process would:"]
+    for name, why in list(undefined.items())[:8]:
+        path, owner = _owner(module, name)
+        lines.append(f"  {name} (module '{path or '<root>'}', {type(owner).__name__}): {why}")
+    if len(undefined) > 8:
+        lines.append(f"  ... ({len(undefined)} in all)")
+    _, first = _owner(module, next(iter(undefined)))
+    cls = type(first).__name__
+    lines.append(
+        f"Initialize these tensors in {cls}.__init__ (e.g. nn.init.normal_(self.weight, std=0.02)), or give {cls} a "
+        f"reset_parameters() that fills its own parameters and buffers (or the model an init_weights()); build the "
+        f"model inside trainer.init_module() or configure_model so its construction is recorded; or build it eagerly "
+        f"(trainer.init_module(empty_init=False))."
+    )
+    return "\n".join(lines)
+
+
+def materialize(
+    module: nn.Module,
+    log: InitLog,
+    refs: Mapping[str, Ref],
+    device: torch.device,
+    load: Callable[[dict[str, Tensor]], None],
+    group_bytes: int = 64 * 2**20,
+) -> int:
+    """Allocate this rank's pieces on ``device`` and fill them; returns the number of names filled."""
+    state = module.state_dict(keep_vars=True)
+    persistent = [k for k, v in state.items() if isinstance(v, Tensor) and v.is_meta]
+    buffers = [(n, b) for n, b in module.named_buffers() if b.is_meta and n.replace(_WRAPPED, "") not in state]
+    module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    missing = [k for k in persistent if k not in refs]
+    missing += [n for n, _ in buffers if n.replace(_WRAPPED, "") not in refs]
+    if missing:
+        raise MaterializeError(
+            f"after the parallel dimensions were applied these meta tensors have no recorded initialization: "
+            f"{', '.join(missing[:8])}. A dimension created them on the meta device; build the model eagerly "
+            f"(trainer.init_module(empty_init=False)) for this layout."
+        )
+    replay = Replay(log)
+    chunk: dict[str, Tensor] = {}
+    size = 0
+    with torch.random.fork_rng(devices=[]):  # the replay sets the generator per draw; the user's stream is kept
+        for name in persistent:
+            value = replay.value(refs[name])
+            chunk[name] = value
+            size += value.numel() * value.element_size()
+            if size >= group_bytes:
+                load(chunk)
+                chunk, size = {}, 0
+        if chunk:
+            load(chunk)
+        live = dict(module.named_buffers())
+        for name, _ in buffers:
+            with torch.no_grad():
+                live[name].copy_(replay.value(refs[name.replace(_WRAPPED, "")]))
+    return len(persistent) + len(buffers)

@@ -1,0 +1,51 @@
+"""``MetaBuild``: the strategy's one handle on a meta-device build (record -> capture -> materialize)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from lightning_5d.materialize.apply import capture, has_meta, materialize, to_device_except_meta
+from lightning_5d.materialize.record import InitLog, Ref, recording
+
+
+class MetaBuild:
+    def __init__(self, log: InitLog) -> None:
+        self.log = log
+        self.refs: dict[str, Ref] | None = None  # set by capture() when the model has meta tensors
+        self.filled = 0  # names materialized on this rank
+
+    @property
+    def active(self) -> bool:
+        """Whether the model being set up waits for materialization."""
+        return self.refs is not None
+
+    @contextmanager
+    def recording(self) -> Iterator[None]:
+        with recording(self.log):
+            yield
+
+    def capture(self, module: nn.Module) -> None:
+        if has_meta(module):
+            self.refs = capture(module, self.log)
+
+    def to_device(self, module: nn.Module, device: torch.device) -> None:
+        to_device_except_meta(module, device)
+
+    def materialize(
+        self,
+        module: nn.Module,
+        device: torch.device,
+        load: Callable[[dict[str, Tensor]], None],
+        dims: Sequence[Any],
+    ) -> None:
+        assert self.refs is not None
+        for dim in dims:  # tp / ep / pp took their device from the (meta) parameters they were given
+            if dim is not None and getattr(dim, "device", None) is not None and dim.device.type == "meta":
+                dim.device = device
+        self.filled = materialize(module, self.log, self.refs, device, load)
+        self.refs = None  # done: a later fit/validate on this Trainer keeps the trained weights
+        self.log = InitLog()  # the recording's storages and draw states are no longer needed
