@@ -284,6 +284,10 @@ class TensorParallel:
             )
             self._hooks.append(last.register_forward_hook(lambda _m, _i, out: _map_first_output(out, gather)))
         self._record_names(root)
+        # Only needed while cutting (tied parameters are cut once). Kept, they would hold every
+        # tp-local tensor alive after ZeRO-3 (FSDP2) replaces the parameters with its shards.
+        self._replaced.clear()
+        self._cut_of.clear()
 
     def _mark_sequence_partial(self, block: nn.Module, prefix: str, block_plan) -> None:
         inside = [block_plan.attention.path] + ([block_plan.mlp.path] if block_plan.mlp else [])
