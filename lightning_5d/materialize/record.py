@@ -182,14 +182,16 @@ class InitRecorder(TorchFunctionMode):
 
     def _record(self, func, args, kwargs, out, rng, generators, factory: bool) -> None:
         log = self.log
-        known = set(log.nbytes)
 
         def to_ref(x: Any) -> Any:
             if _is_meta(x):
                 return log.ref(x, register=True)
             return x
 
+        # An input seen for the first time (a meta model built outside the recording) exists already:
+        # it is not created by this call, whose write must then be a full one to give it contents.
         rargs, rkwargs = tree_map(to_ref, args), tree_map(to_ref, kwargs)
+        known = set(log.nbytes)
         flat_out, _ = tree_flatten(out)
         outs = [log.ref(x, register=True) if _is_meta(x) else None for x in flat_out]
         creates = frozenset(r.key for r in outs if r is not None and r.key not in known)
