@@ -475,8 +475,7 @@ class FiveDStrategy(ParallelStrategy):
     def _materialize(self, module: torch.nn.Module) -> None:
         if not self._meta.active:
             return
-        load = lambda chunk: self.load_model_state_dict({"state_dict": chunk}, strict=False)  # noqa: E731
-        self._meta.materialize(module, self.root_device, load, [self._tp, self._ep, self._pp])
+        self._meta.materialize(module, self.root_device, [self._tp, self._ep, self._pp])
 
     @contextmanager
     @override

@@ -12,18 +12,21 @@ Step 4 of the design ("build on meta, apply the dimensions, then materialize"):
 2. :func:`materialize` (after the dimensions): meta tensors become empty tensors on the
    device (``_apply``, so FSDP2's DTensor shards are allocated at their local size), then
    the full value of each name this rank holds is recomputed (:mod:`replay`), one tensor
-   at a time, and handed to ``load`` (the strategy's state-dict loading, which keeps the
-   rank's tp/ep/pp piece and FSDP2 shard); non-persistent buffers are copied in directly.
+   at a time; the tp/ep/pp splits cut the rank's piece, and an FSDP2 DTensor's own
+   placement its shard. Nothing is sent: every rank recomputes the same full tensor.
 
-Peak memory: the rank's share plus one full tensor (``group_bytes`` batches small ones).
+Peak memory: the rank's share plus one full tensor and the loader's copies of it
+(``group_bytes`` > 0 batches tensors into fewer, larger loads).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lightning_5d.materialize.record import InitLog, Ref, recording
 from lightning_5d.materialize.replay import Replay
@@ -130,37 +133,63 @@ def materialize(
     log: InitLog,
     refs: Mapping[str, Ref],
     device: torch.device,
-    load: Callable[[dict[str, Tensor]], None],
-    group_bytes: int = 64 * 2**20,
+    splits: Sequence[Any],
 ) -> int:
-    """Allocate this rank's pieces on ``device`` and fill them; returns the number of names filled."""
+    """Allocate this rank's pieces on ``device`` and fill them; returns the number of names filled.
+
+    ``splits``: the tp / ep / pp objects (``local_state``: full tensors -> this rank's pieces,
+    no communication). An FSDP2 shard is then cut from the piece where its DTensor says, so no
+    rank sends anything: every rank recomputes the same full tensor.
+    """
     state = module.state_dict(keep_vars=True)
     persistent = [k for k, v in state.items() if isinstance(v, Tensor) and v.is_meta]
-    buffers = [(n, b) for n, b in module.named_buffers() if b.is_meta and n.replace(_WRAPPED, "") not in state]
+    buffers = [n for n, b in module.named_buffers() if b.is_meta and n.replace(_WRAPPED, "") not in state]
     module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
-    missing = [k for k in persistent if k not in refs]
-    missing += [n for n, _ in buffers if n.replace(_WRAPPED, "") not in refs]
+    missing = [k for k in persistent if k not in refs] + [n for n in buffers if n.replace(_WRAPPED, "") not in refs]
     if missing:
         raise MaterializeError(
             f"after the parallel dimensions were applied these meta tensors have no recorded initialization: "
             f"{', '.join(missing[:8])}. A dimension created them on the meta device; build the model eagerly "
             f"(trainer.init_module(empty_init=False)) for this layout."
         )
+    targets = module.state_dict(keep_vars=True)
+    live = dict(module.named_buffers())
     replay = Replay(log)
-    chunk: dict[str, Tensor] = {}
-    size = 0
-    with torch.random.fork_rng(devices=[]):  # the replay sets the generator per draw; the user's stream is kept
+    # The replay sets the generator before each draw; the user's stream is left as it was.
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
         for name in persistent:
-            value = replay.value(refs[name])
-            chunk[name] = value
-            size += value.numel() * value.element_size()
-            if size >= group_bytes:
-                load(chunk)
-                chunk, size = {}, 0
-        if chunk:
-            load(chunk)
-        live = dict(module.named_buffers())
-        for name, _ in buffers:
-            with torch.no_grad():
-                live[name].copy_(replay.value(refs[name.replace(_WRAPPED, "")]))
+            piece = replay.value(refs[name])
+            for split in splits:
+                piece = split.local_state({name: piece})[name]
+            _fill(name, targets[name], piece)
+            del piece
+        for name in buffers:
+            _fill(name, live[name], replay.value(refs[name.replace(_WRAPPED, "")]))
+    release_freed_memory()
     return len(persistent) + len(buffers)
+
+
+def _fill(name: str, target: Tensor, piece: Tensor) -> None:
+    """Copy this rank's part of ``piece`` (the tensor at its tp/ep-local shape) into ``target``."""
+    if isinstance(target, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(piece.shape, target.device_mesh, target.placements)
+        piece = piece[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+        target = target._local_tensor
+    if tuple(target.shape) != tuple(piece.shape):
+        raise MaterializeError(
+            f"{name}: this rank holds shape {list(target.shape)}, its recorded initialization cuts to "
+            f"{list(piece.shape)}; a dimension changed the tensor in a way materialization does not follow. Build "
+            f"the model eagerly (trainer.init_module(empty_init=False)) for this layout."
+        )
+    target.copy_(piece)
+
+
+def release_freed_memory() -> None:
+    """Give the full tensors' freed pages back to the OS (glibc keeps freed heap memory below
+    its mmap threshold, ~32 MiB, for reuse: per-rank RSS would otherwise stay near the peak)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim, or the allocator returns pages itself
+        pass

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from lightning_5d.materialize.apply import capture, has_meta, materialize, to_device_except_meta
 from lightning_5d.materialize.record import InitLog, Ref, recording
@@ -39,13 +39,13 @@ class MetaBuild:
         self,
         module: nn.Module,
         device: torch.device,
-        load: Callable[[dict[str, Tensor]], None],
         dims: Sequence[Any],
     ) -> None:
+        """``dims``: the strategy's tp / ep / pp objects (None where a dimension is off)."""
         assert self.refs is not None
         for dim in dims:  # tp / ep / pp took their device from the (meta) parameters they were given
             if dim is not None and getattr(dim, "device", None) is not None and dim.device.type == "meta":
                 dim.device = device
-        self.filled = materialize(module, self.log, self.refs, device, load)
+        self.filled = materialize(module, self.log, self.refs, device, [d for d in dims if d is not None])
         self.refs = None  # done: a later fit/validate on this Trainer keeps the trained weights
         self.log = InitLog()  # the recording's storages and draw states are no longer needed

@@ -275,6 +275,9 @@ def recording(log: InitLog) -> Iterator[None]:
         with torch.device("meta"), recorder:
             yield
     finally:
+        from lightning_5d.materialize.apply import release_freed_memory
+
+        release_freed_memory()  # the draws' scratch tensors
         for owner, name, old in originals:
             setattr(owner, name, old)
         if saved_table is not None:
