@@ -293,6 +293,9 @@ class FiveDStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
         if self._plan_layout:
+            # A model built in configure_model does not exist yet: build it on meta now (Lightning's
+            # own call later finds it built), so the planner counts its parameters, not zero.
+            self._meta.build_now(self.lightning_module, self.tensor_init_context)
             # Rank 0 decides for everyone: ranks on hosts with different memory could disagree.
             self.config = self.broadcast(
                 planned_config(

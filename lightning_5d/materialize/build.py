@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -31,6 +31,19 @@ class MetaBuild:
     def capture(self, module: nn.Module) -> None:
         if has_meta(module):
             self.refs = capture(module, self.log)
+
+    def build_now(self, module: nn.Module, context: Callable[..., Any]) -> None:
+        """Call ``configure_model`` under ``context(empty_init=True)`` if the module has no parameters yet.
+
+        Lightning requires the hook to be idempotent (it is called once per fit/validate/...),
+        so its own call after this one finds the model built.
+        """
+        from lightning.pytorch.utilities.model_helpers import is_overridden
+
+        if next(module.parameters(), None) is not None or not is_overridden("configure_model", module):
+            return
+        with context(empty_init=True):
+            module.configure_model()
 
     def to_device(self, module: nn.Module, device: torch.device) -> None:
         to_device_except_meta(module, device)
