@@ -193,3 +193,14 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to trim, or the allocator returns pages itself
         pass
+
+
+def placement_device(module: nn.Module, device_type: str) -> torch.device:
+    """Where a dimension should create its own tensors: the model's device, or for a model
+    still on the meta device the device it will be materialized on (this rank's)."""
+    p = next(module.parameters(), None)
+    if p is not None and not p.is_meta:
+        return p.device
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type)

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_5d.materialize.apply import placement_device
 from lightning_5d.config import LayoutError
 from lightning_5d.parallel import tensor_ops
 from lightning_5d.parallel.regather import RegatherRegion
@@ -179,7 +180,7 @@ class TensorParallel:
         self.size = tp_mesh.size()
         self.rank = tp_mesh.get_local_rank()
         self.sequence_parallel = sequence_parallel
-        self.device = next(root.parameters()).device
+        self.device = placement_device(root, tp_mesh.device_type)  # real even for a meta-built model
         validate_tensor_parallel(plan, root, self.size)
         # Parameter names (every alias of a tied parameter) -> how that parameter was cut.
         self.shards: dict[str, TensorShard] = {}

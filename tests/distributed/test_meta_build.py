@@ -25,6 +25,7 @@ EXTENDED = [
     (2, 1, 1, 1, "meta", ("--cp", "2")),
     (2, 2, 1, 1, "meta", ()),
     (4, 3, 2, 2, "configure", ("--model", "tiny_tied")),
+    (2, 1, 1, 1, "meta", ("--ep", "2", "--model", "tiny_moe")),
 ]
 PARAMS = "nproc,zero,tp,pp,build,extra"
 
