@@ -76,7 +76,8 @@ def _refs(module: nn.Module, log: InitLog) -> tuple[dict[str, Ref], dict[str, st
         if not t.is_meta:
             continue
         ref = log.ref(t)
-        why = "it was put on the meta device outside the strategy's init context" if ref is None else replay.defined(ref.key)
+        outside = "it was put on the meta device outside the strategy's init context"
+        why = outside if ref is None else replay.defined(ref.key)
         if why is None:
             refs[name] = ref
         else:
@@ -95,8 +96,10 @@ def _run_init_methods(module: nn.Module, log: InitLog, undefined: Mapping[str, s
     done: set[int] = set()
     with recording(log), torch.no_grad():
         for path, m in owners.items():
-            chain = [module.get_submodule(".".join(path.split(".")[:i])) for i in range(path.count(".") + 2)] if path else [module]
-            hf = next((a for a in reversed(chain) if hasattr(a, "initialize_weights") and hasattr(a, "_init_weights")), None)
+            parts = path.split(".") if path else []
+            chain = [module.get_submodule(".".join(parts[:i])) for i in range(len(parts) + 1)]  # root .. owner
+            hf = next((a for a in reversed(chain) if hasattr(a, "initialize_weights") and hasattr(a, "_init_weights")),
+                      None)  # fmt: skip
             whole = next((a for a in reversed(chain) if callable(getattr(a, "init_weights", None))), None)
             if hf is not None:
                 if id(hf) not in done:

@@ -172,7 +172,8 @@ class InitRecorder(TorchFunctionMode):
             if not _is_meta(x):
                 return x
             base = torch.zeros(x.untyped_storage().nbytes(), dtype=torch.uint8, device="cpu")
-            return torch.empty(0, dtype=x.dtype, device="cpu").set_(base.untyped_storage(), x.storage_offset(), x.shape, x.stride())
+            view = torch.empty(0, dtype=x.dtype, device="cpu")
+            return view.set_(base.untyped_storage(), x.storage_offset(), x.shape, x.stride())
 
         with torch.no_grad():
             if factory:

@@ -78,7 +78,8 @@ def test_module_without_any_init_gets_an_error_naming_it():
     log = InitLog()
     with recording(log):
         model = nn.Sequential(Uninitialized())
-    with pytest.raises(MaterializeError, match=r"(?s)0\.gain \(module '0', Uninitialized\).*torch\.empty.*reset_parameters"):
+    expected = r"(?s)0\.gain \(module '0', Uninitialized\).*torch\.empty.*reset_parameters"
+    with pytest.raises(MaterializeError, match=expected):
         capture(model, log)
 
 
