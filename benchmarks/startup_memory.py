@@ -27,14 +27,15 @@ MODEL = {"vocab_size": 32000, "hidden_size": 1536, "intermediate_size": 4096, "n
 QUICK_MODEL = {**MODEL, "num_layers": 4, "hidden_size": 768, "intermediate_size": 2048, "num_heads": 6,
                "num_kv_heads": 2}  # fmt: skip
 VARIANTS = [
+    ("lightning_meta_fsdp", "Lightning `ModelParallelStrategy`, `init_module(empty_init=True)` + `fully_shard`"),
     ("ours_eager_zero3", "`FiveDStrategy(zero=3)`, model built in `__init__`"),
     ("ours_meta_zero3", "`FiveDStrategy(zero=3)`, `init_module(empty_init=True)`"),
     ("ours_eager_tp2_zero3_old", "`FiveDStrategy(tp=2, zero=3)`, eager, tp references kept (before the fix)"),
     ("ours_eager_tp2_zero3", "`FiveDStrategy(tp=2, zero=3)`, eager"),
     ("ours_meta_tp2_zero3", "`FiveDStrategy(tp=2, zero=3)`, `init_module(empty_init=True)`"),
     ("ours_meta_pp2_zero3", "`FiveDStrategy(pp=2, zero=3)`, `init_module(empty_init=True)`"),
-    ("lightning_meta_fsdp", "Lightning `ModelParallelStrategy`, `init_module(empty_init=True)` + `fully_shard`"),
 ]
+PARTIAL = Path(os.environ.get("STARTUP_MEMORY_PARTIAL", "/tmp/startup_memory_partial.json"))
 THEIRS = "lightning_meta_fsdp"
 
 
@@ -63,7 +64,13 @@ def run(quick: bool) -> dict:
     full = 4 * param_count(model)
     rows = []
     for variant, label in VARIANTS:
-        r = _one(variant, model)
+        try:
+            r = _one(variant, model)
+        except WorkerFailed as err:  # a variant that cannot start is a finding: recorded, the others still run
+            rows.append({"variant": variant, "label": label, "error": str(err)})
+            continue
+        finally:
+            PARTIAL.write_text(json.dumps(rows))
         above = [rank["peak"] - rank["baseline"] for rank in r["ranks"]]
         rows.append({"variant": variant, "label": label, "above_baseline": above, "max_above": max(above),
                      "fraction": max(above) / full, "ranks": r["ranks"], "wall_s": r["wall_s"]})  # fmt: skip
@@ -85,6 +92,9 @@ def markdown(result: dict) -> str:
         "|---|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['label']} | failed: {r['error']} | | | |")
+            continue
         ratio = "" if r is theirs else f"{r['max_above'] / theirs['max_above']:.2f}"
         lines.append(f"| {r['label']} | {r['max_above'] / 2**20:,.0f} | {r['fraction']:.2f} | {ratio} | "
                      f"{r['wall_s']:.0f} |")  # fmt: skip

@@ -437,10 +437,11 @@ class FiveDStrategy(ParallelStrategy):
             root_holds_blocks = self._pp is not None
             units = apply_fsdp(module, blocks, self.mesh, policy, inner, root_holds_blocks=root_holds_blocks)
             self._fsdp_units = inner + units
+            # After fully_shard (each rank allocates only its shards), before pp's lazy init of the units.
+            self._materialize(module)
             if self._pp is not None:
                 adopt_stage_units(self._fsdp_units)
                 self._pp.divide_loss_by_microbatches = True
-            self._materialize(module)  # after fully_shard: each rank allocates only its shards
         elif ep > 1:
             # Expert gradients reduce over the ranks holding the same experts, the rest over dp x cp.
             is_expert, stage, mb = self._ep.is_expert, self.config.zero, self.config.bucket_size_mb
