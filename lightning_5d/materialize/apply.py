@@ -166,6 +166,7 @@ def materialize(
                 piece = split.local_state({name: piece})[name]
             _fill(name, targets[name], piece)
             del piece
+            release_freed_memory()  # see record.py: freed full tensors would otherwise pile up
         for name in buffers:
             _fill(name, live[name], replay.value(refs[name.replace(_WRAPPED, "")]))
     release_freed_memory()
