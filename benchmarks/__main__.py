@@ -23,6 +23,7 @@ from benchmarks import (
     overhead_vs_lightning,
     pipeline_bubble,
     precision_recipes,
+    startup_memory,
 )
 from benchmarks.common import results_section
 from benchmarks.gpu import suite as gpu_suite
@@ -36,6 +37,7 @@ BENCHMARKS = {
     "context_parallel_scaling": context_parallel_scaling,
     "precision_recipes": precision_recipes,
     "checkpoint_save": checkpoint_save,
+    "startup_memory": startup_memory,
     "gpu": gpu_suite,
 }
 HERE = Path(__file__).parent

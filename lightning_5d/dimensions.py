@@ -37,6 +37,7 @@ from lightning_5d.config import (
     PipelineSchedule,
     ZeroStage,
 )
+from lightning_5d.materialize import MetaBuild
 from lightning_5d.layout_rules import (
     Combination,
     ep_sequence_parallel,
@@ -258,6 +259,19 @@ class ApplyContext:
     plan: ModelPlan | None = None
     plan_needed: bool = False
     plan_check: PlanCheck | None = None  # weightless copies of the pieces, taken before any dimension
+    meta: MetaBuild | None = None  # a model built on the meta device, filled per shard after the cuts
+    device: torch.device | None = None  # where the materialized pieces go
+
+    @property
+    def meta_built(self) -> bool:
+        return self.meta is not None and self.meta.active
+
+    def materialize(self) -> None:
+        """Fill each rank's pieces of a meta-built model with one process's initial values (after
+        every cut that decides what this rank holds; lightning_5d.materialize)."""
+        if self.meta_built:
+            applied = self.applied
+            self.meta.materialize(self.module, self.device, [applied.tp, applied.ep, applied.pp])
 
     @property
     def layout(self) -> Layout:
@@ -297,7 +311,8 @@ class Prepare(Step):
     def apply(self, ctx: ApplyContext) -> None:
         if ctx.precision is not None and ctx.config.zero != ZeroStage.PARAMETERS:
             ctx.precision.cast_parameters(ctx.module)  # ZeRO-3 keeps fp32 shards: FSDP2 casts per all-gather
-        broadcast_module(ctx.module, ctx.mesh)
+        if not ctx.meta_built:  # a meta-built model is filled from its recorded init on every rank alike
+            broadcast_module(ctx.module, ctx.mesh)
 
 
 class Discover(Step):
@@ -479,7 +494,9 @@ class Data(Step):
     def apply(self, ctx: ApplyContext) -> None:
         if ctx.config.zero == ZeroStage.PARAMETERS:
             self._fsdp(ctx)
-        elif ctx.layout.ep > 1 or ctx.mesh.size("dp_cp") > 1:
+            return
+        ctx.materialize()  # ZeRO-0..2 engines take the real parameters
+        if ctx.layout.ep > 1 or ctx.mesh.size("dp_cp") > 1:
             ctx.applied.zero = ZeroSet(self._engines(ctx))
         # else: no data-parallel peers, nothing to reduce or shard: plain single-rank training.
 
@@ -496,6 +513,8 @@ class Data(Step):
             inner = inner + apply_fp8_gather_units(linears, ctx.mesh, precision.reduce_dtype)
         units = apply_fsdp(module, blocks, ctx.mesh, policy, inner, root_holds_blocks=applied.pp is not None)
         applied.fsdp_units = inner + units
+        # After fully_shard (each rank allocates only its shards), before pp's lazy init of the units.
+        ctx.materialize()
         if applied.pp is not None:
             adopt_stage_units(applied.fsdp_units)
             applied.pp.divide_loss_by_microbatches = True
@@ -534,10 +553,16 @@ STEPS: tuple[Step, ...] = (
 
 def apply_dimensions(
     module: nn.Module, config: ParallelConfig, mesh: ParallelMesh, precision: FiveDPrecision | None,
-    combination: Combination, steps: Sequence[Step] = STEPS,
+    combination: Combination, steps: Sequence[Step] = STEPS, *, meta: MetaBuild | None = None,
+    device: torch.device | None = None,
 ) -> AppliedDimensions:  # fmt: skip
-    """Run the active ``steps`` on ``module``: every check first, then every apply, in order."""
+    """Run the active ``steps`` on ``module``: every check first, then every apply, in order.
+
+    ``meta``: the record of a model built on the meta device; its pieces are materialized on
+    ``device`` once the data step knows what each rank holds.
+    """
     ctx = ApplyContext(module, config, mesh, precision, combination, AppliedDimensions(module=module))
+    ctx.meta, ctx.device = meta, device
     ctx.plan_needed = any(step.needs_plan(ctx) and step.wanted(ctx) for step in steps)
     active = [step for step in steps if step.wanted(ctx)]
     for step in active:

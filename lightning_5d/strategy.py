@@ -46,6 +46,7 @@ from lightning_5d.config import (
 from lightning_5d.dimensions import AppliedDimensions, apply_dimensions, combination_for
 from lightning_5d.fp8.numerics_check import log_numerics, loss_without_fp8, numerics_check_due
 from lightning_5d.layout_rules import validate_early
+from lightning_5d.materialize import InitLog, MetaBuild
 from lightning_5d.mesh import ParallelMesh
 from lightning_5d.parallel.context import ContextParallel
 from lightning_5d.parallel.expert import ExpertParallel
@@ -153,6 +154,8 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
         self._applied = AppliedDimensions()  # what lightning_5d.dimensions built, once setup ran
         self._in_backward_sync_block = False
         self.pretrained_load: PretrainedLoad | None = None  # what was loaded: names, prefix, groups
+        # Models built on the meta device: what their construction recorded, materialized per shard.
+        self._meta = MetaBuild(InitLog())
         self.num_nodes = 1
 
     def _take_options(self, options: StrategyOptions) -> None:
@@ -288,6 +291,9 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
         if self._plan_layout:
+            # A model built in configure_model does not exist yet: build it on meta now (Lightning's
+            # own call later finds it built), so the planner counts its parameters, not zero.
+            self._meta.build_now(self.lightning_module, self.tensor_init_context)
             # Rank 0 decides for everyone: ranks on hosts with different memory could disagree.
             self.config = self.broadcast(
                 planned_config(
@@ -320,8 +326,9 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
         precision = self._five_d_precision
         if precision is not None:
             precision.device_type = self.root_device.type
+        self._meta.capture(self.lightning_module)  # before any conversion renames or recasts a meta tensor
         self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
+        self._meta.to_device(self.model, self.root_device) if self._meta.active else self.model_to_device()
         self._parallelize(self.lightning_module)
         if self._pretrained is not None:
             # Each rank reads only its own pieces; a ckpt_path given to fit is restored after
@@ -353,7 +360,21 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
             return  # fit after validate: the same module keeps its dimensions
         precision = self._five_d_precision
         combination = combination_for(self.config, self.layout, precision, self._grad_scaler is not None)
-        self._applied = apply_dimensions(module, self.config, self.mesh, precision, combination)
+        self._applied = apply_dimensions(
+            module, self.config, self.mesh, precision, combination, meta=self._meta, device=self.root_device
+        )
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``empty_init`` True or None (configure_model): build on the meta device and record the
+        initialization; setup materializes each rank's pieces with a single process's values."""
+        if empty_init is False:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with self._meta.recording(), self.precision_plugin.tensor_init_context():
+            yield
 
     @override
     def setup_optimizers(self, trainer) -> None:

@@ -41,11 +41,15 @@ def run(cfg: Mapping[str, Any], run_dir: str | Path, early: Any = None) -> Optio
     parallel = ParallelConfig.from_mapping(cfg["parallel"])
     layout = parallel.resolve(devices * num_nodes)  # the job checked this; cheap to repeat
 
+    strategy = FiveDStrategy.from_config(parallel, **checkpoint_options(cfg.get("checkpoint") or {}))
     L.seed_everything(cfg["seed"], workers=True, verbose=False)  # same initial weights on every rank
     optim = dict(cfg.get("optim") or {})
     if "betas" in optim:
         optim["betas"] = tuple(optim["betas"])
-    model = LlamaLM(dict(cfg["model"]), **optim)
+    # On the meta device: no rank ever holds the whole model; setup materializes each rank's
+    # pieces with the values this build would have had in one process.
+    with strategy.tensor_init_context(empty_init=True):
+        model = LlamaLM(dict(cfg["model"]), **optim)
     data = TextDataModule(**cfg["data"])
 
     trainer_kwargs = dict(cfg["trainer"])
@@ -82,7 +86,7 @@ def run(cfg: Mapping[str, Any], run_dir: str | Path, early: Any = None) -> Optio
     trainer = L.Trainer(
         devices=devices,
         num_nodes=num_nodes,
-        strategy=FiveDStrategy.from_config(parallel, **checkpoint_options(cfg.get("checkpoint") or {})),
+        strategy=strategy,
         precision=precision,
         default_root_dir=str(run_dir),
         enable_progress_bar=False,

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_5d.config import ParallelConfig, VerifyMode, ZeroStage
+from lightning_5d.parallel.pipeline.fsdp import drop_held_gradients
 from lightning_5d.plan import discover
 from lightning_5d.plan.model_plan import ModelPlan
 from lightning_5d.verify.compare import Difference, PieceResult, PlanVerificationError, difference, mismatch_message
@@ -155,9 +156,14 @@ class PlanCheck:
             # A forward with no backward leaves FSDP2's root unit gathered (the root keeps its
             # parameters for the backward it expects); training's first step would then compute
             # with, and put its gradients on, that stale gathered copy (seen under tp+SP x ZeRO-3).
-            for m in module.modules():
-                if isinstance(m, FSDPModule):
-                    m.reshard()
+            units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+            if pp is not None and units:
+                # Under pp the schedule's forward also leaves the root's iteration state (the
+                # forward order FSDP2 records for the backward) behind: the first training step's
+                # gradients came out wrong under pp x ZeRO-3. Reset it as after a failed schedule.
+                drop_held_gradients(units)
+            for m in units:
+                m.reshard()
 
         for piece, live in held:
             report.results.append(self._compare(piece, live, recorder, layout, tp, device))

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_5d.materialize.apply import placement_device
 from lightning_5d.config import ExpertConfig, LoadBalancing
 from lightning_5d.mesh import ParallelMesh
 from lightning_5d.parallel.expert.balance import AttachAuxLoss, load_balancing_loss, update_bias
@@ -80,7 +81,7 @@ class ExpertParallel:
         self._data_group = mesh.group("dp_cp") if mesh.size("dp_cp") > 1 else None
         stages = mesh.group("pp") if mesh.size("pp") > 1 else None
         self._count_groups = [g for g in (self._data_group, stages) if g is not None]
-        self.device = next(module.parameters()).device
+        self.device = placement_device(module, mesh.root.device_type)  # real even for a meta-built model
         self.aux_scale = 1.0  # d(loss Lightning backpropagates)/d(the user's loss); the strategy sets it
         self.layers: list[_Layer] = []
         self._aux_values: list[Tensor] = []

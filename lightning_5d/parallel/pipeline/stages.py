@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch.distributed.pipelining import PipelineStage
 
+from lightning_5d.materialize.apply import placement_device
 from lightning_5d.config import PipelineConfig, PipelineSchedule
 from lightning_5d.mesh import ParallelMesh
 from lightning_5d.pipeline_shape import (
@@ -182,7 +183,7 @@ class PipelineParallel:
         self.pp = mesh.size("pp")
         self.rank = mesh.local_rank("pp")
         self.group = mesh.group("pp")
-        self.device = next(module.parameters()).device
+        self.device = placement_device(module, mesh.root.device_type)  # real even for a meta-built model
         self.v = config.virtual_stages
         self.microbatches = config.microbatches or default_microbatches(self.pp, self.v)
         check_schedule(self.schedule, self.pp, self.v, self.microbatches)

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_5d.materialize.apply import placement_device
 from lightning_5d.config import LayoutError
 from lightning_5d.parallel.tensor import ops as tensor_ops
 from lightning_5d.parallel.tensor.regather import RegatherRegion
@@ -233,7 +234,7 @@ class TensorParallel:
         self.size = tp_mesh.size()
         self.rank = tp_mesh.get_local_rank()
         self.sequence_parallel = sequence_parallel
-        self.device = next(root.parameters()).device
+        self.device = placement_device(root, tp_mesh.device_type)  # real even for a meta-built model
         validate_tensor_parallel(plan, root, self.size)
         # Parameter names (every alias of a tied parameter) -> how that parameter was cut.
         self.shards: dict[str, TensorShard] = {}
@@ -339,6 +340,10 @@ class TensorParallel:
             )
             self._hooks.append(last.register_forward_hook(lambda _m, _i, out: _map_first_output(out, gather)))
         self._record_names(root)
+        # Only needed while cutting (tied parameters are cut once). Kept, they would hold every
+        # tp-local tensor alive after ZeRO-3 (FSDP2) replaces the parameters with its shards.
+        self._replaced.clear()
+        self._cut_of.clear()
 
     def _mark_sequence_partial(self, block: nn.Module, prefix: str, block_plan) -> None:
         inside = [block_plan.attention.path] + ([block_plan.mlp.path] if block_plan.mlp else [])

@@ -8,6 +8,7 @@ import lightning as L
 import torch
 
 from lightning_5d.models import LlamaConfig, LlamaLM, TextDataModule
+from lightning_5d.models.llama import LlamaModel
 
 # Small enough for 4 processes on 2 cores, big enough to have several blocks and buckets.
 TINY = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
@@ -38,6 +39,20 @@ class RecordingLM(LlamaLM):
         loss = super().training_step(batch, batch_idx)
         self.losses.append(loss.detach().clone())
         return loss
+
+
+class ConfiguredLM(RecordingLM):
+    """The reference model, built in ``configure_model`` (where Lightning builds large models)."""
+
+    def __init__(self, config: LlamaConfig = TINY, **kwargs):
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):  # only for LlamaLM's hparams
+            super().__init__(config, **kwargs)
+        del self.model
+
+    def configure_model(self):
+        if getattr(self, "model", None) is None:
+            config = self.hparams.config
+            self.model = LlamaModel(config if isinstance(config, LlamaConfig) else LlamaConfig(**config))
 
 
 def make_datamodule(num_samples: int | None = None, batch_size: int = BATCH_SIZE) -> TextDataModule:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import lightning_5d
 from lightning_5d.accounting import SavedActivationMeter, model_state_bytes
-from tests_support import MODELS, RecordingLM, make_datamodule
+from tests_support import MODELS, ConfiguredLM, RecordingLM, make_datamodule
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--zero", default="1", help="0-3, or 'auto': Trainer(strategy='5d'), the planner's layout")
@@ -56,6 +56,13 @@ parser.add_argument("--checkpoint-write", default="sync", choices=["sync", "asyn
 parser.add_argument("--keep-last-k", type=int, default=None)
 parser.add_argument("--kill-during-save", type=int, default=0, help="SIGKILL the last rank mid-write at this step")
 parser.add_argument("--resume", default=None, help="checkpoint to resume from (Trainer.fit ckpt_path)")
+parser.add_argument(
+    "--build",
+    default="eager",
+    choices=["eager", "meta", "configure"],
+    help="eager: in __init__; meta: under trainer.init_module(empty_init=True); configure: in configure_model",
+)
+parser.add_argument("--verify", default="blocks", choices=["blocks", "off"])
 parser.add_argument("--out", required=True)
 
 
@@ -94,7 +101,10 @@ class RecordLogged(L.Callback):
 def run(args: argparse.Namespace) -> None:
     """One training run as the arguments say; rank 0 writes result.json and params.pt in --out."""
     L.seed_everything(0)
-    model = RecordingLM(config=MODELS[args.model])
+    # Built where the reference builds it (right after seeding), or later on the meta device.
+    model = RecordingLM(config=MODELS[args.model]) if args.build == "eager" else None
+    if args.build == "configure":
+        model = ConfiguredLM(config=MODELS[args.model])
     if args.zero == "auto":
         strategy = "5d"
     else:
@@ -119,6 +129,7 @@ def run(args: argparse.Namespace) -> None:
             checkpoint_write=args.checkpoint_write,
             keep_last_k=args.keep_last_k,
             bucket_size_mb=0.05,
+            verify=args.verify,
         )
 
     measure = MeasureModelState()
@@ -168,6 +179,9 @@ def run(args: argparse.Namespace) -> None:
         val_check_interval=args.steps if args.val_batches else None,
         callbacks=callbacks,
     )
+    if args.build == "meta":
+        with trainer.init_module(empty_init=True):
+            model = RecordingLM(config=MODELS[args.model])
     batch_size = {"batch_size": args.batch_size} if args.batch_size else {}
     trainer.fit(model, datamodule=make_datamodule(args.num_samples, **batch_size), ckpt_path=args.resume)
     strategy = trainer.strategy

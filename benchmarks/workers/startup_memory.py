@@ -1,0 +1,100 @@
+"""One start-up of a ~0.5 B model on every rank; rank 0 writes each rank's RSS figures.
+
+Run by benchmarks/startup_memory.py under torch.distributed.run. The fit stops at
+``on_train_start`` (after setup: the model is parallelized, materialized, the optimizer
+built), before step 0. Measured per rank: the RSS before the model exists (baseline) and
+the peak RSS up to that point (``ru_maxrss``).
+"""
+
+import argparse
+import json
+import os
+import resource
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+import lightning_5d  # noqa: E402
+from lightning_5d.models import LlamaConfig, LlamaLM  # noqa: E402
+from lightning_5d.parallel.tensor import TensorParallel  # noqa: E402
+from train import HandShardedLM  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--variant", required=True)
+parser.add_argument("--model", required=True, help="LlamaConfig fields as JSON")
+parser.add_argument("--out", required=True)
+
+
+def rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+class StopBeforeStep(L.Callback):
+    def __init__(self):
+        self.peak = None
+
+    def on_train_start(self, trainer, pl_module):
+        self.peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        trainer.should_stop = True
+
+
+def keep_tp_references() -> None:
+    """The behaviour before the fix: TensorParallel kept every tp-local tensor it made."""
+    cut = TensorParallel._apply
+
+    def apply_and_keep(self, root):
+        cut(self, root)
+        self.kept = [p for n, p in root.named_parameters() if n in self.shards]
+
+    TensorParallel._apply = apply_and_keep
+
+
+def main() -> None:
+    args = parser.parse_args()
+    config = LlamaConfig(**json.loads(args.model))
+    baseline = rss_bytes()
+    v = args.variant
+    build = "meta" if "meta" in v else "eager"
+    if v.startswith("lightning"):
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=int(os.environ["WORLD_SIZE"]), tensor_parallel_size=1)
+        cls = HandShardedLM
+    else:
+        tp = 2 if "tp2" in v else 1
+        pp = 2 if "pp2" in v else 1
+        if "old" in v:
+            keep_tp_references()
+        strategy = lightning_5d.FiveDStrategy(zero=3, tp=tp, pp=pp, pipeline={"microbatches": 2})
+        cls = LlamaLM
+    L.seed_everything(0, verbose=False)
+    model = cls(config) if build == "eager" else None
+    stop = StopBeforeStep()
+    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_steps=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[stop])  # fmt: skip
+    if build == "meta":
+        with trainer.init_module(empty_init=True):
+            model = cls(config)
+    ids = torch.randint(0, config.vocab_size, (64, 17))
+    data = [{"input_ids": row[:-1], "labels": row[1:]} for row in ids]
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=2, drop_last=True))
+    record = {"baseline": baseline, "peak": stop.peak, "rss_after_setup": rss_bytes()}
+    per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, record)
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps({"ranks": per_rank}))
+    from lightning_5d.testing import leave_process_group
+
+    leave_process_group()
+
+
+if __name__ == "__main__":
+    main()

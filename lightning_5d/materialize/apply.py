@@ -1,0 +1,210 @@
+"""Give a meta-built, already parallelized model real tensors: each rank only its own pieces.
+
+Step 4 of the design ("build on meta, apply the dimensions, then materialize"):
+
+1. :func:`capture` (before any dimension cuts the model): every parameter and buffer name
+   of the unsplit model -> its recorded storage (:mod:`record`). Tensors the recording
+   never gave defined contents (a model put on meta outside our context, a parameter made
+   with ``torch.empty`` and never filled) get one more chance: the module's own init
+   methods run under the recorder (Hugging Face ``initialize_weights``, then the nearest
+   ``init_weights()``, then ``reset_parameters()``); what is still undefined is a
+   :class:`MaterializeError` naming the module and what it must provide.
+2. :func:`materialize` (after the dimensions): meta tensors become empty tensors on the
+   device (``_apply``, so FSDP2's DTensor shards are allocated at their local size), then
+   the full value of each name this rank holds is recomputed (:mod:`replay`), one tensor
+   at a time; the tp/ep/pp splits cut the rank's piece, and an FSDP2 DTensor's own
+   placement its shard. Nothing is sent: every rank recomputes the same full tensor.
+
+Peak memory: the rank's share plus one full tensor and the loader's copies of it
+(``group_bytes`` > 0 batches tensors into fewer, larger loads).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from lightning_5d.materialize.record import InitLog, Ref, recording
+from lightning_5d.materialize.replay import Replay
+
+_WRAPPED = "_checkpoint_wrapped_module."  # activation checkpointing's wrapper (state dicts drop it)
+
+
+class MaterializeError(RuntimeError):
+    """A meta-built model part that cannot be given the values a single process would give it."""
+
+
+def has_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in _tensors(module))
+
+
+def _tensors(module: nn.Module) -> list[Tensor]:
+    return list(module.parameters()) + list(module.buffers())
+
+
+def to_device_except_meta(module: nn.Module, device: torch.device) -> None:
+    """``module.to(device)`` for the tensors that exist; meta ones wait for :func:`materialize`."""
+    module._apply(lambda t: t if t.is_meta else t.to(device))
+
+
+def _named(module: nn.Module) -> dict[str, Tensor]:
+    named = dict(module.named_parameters(remove_duplicate=False))
+    named.update(module.named_buffers(remove_duplicate=False))
+    return named
+
+
+def capture(module: nn.Module, log: InitLog) -> dict[str, Ref]:
+    """Name -> recorded ref for every meta tensor of the unsplit ``module`` (see the module docstring)."""
+    refs, undefined = _refs(module, log)
+    if undefined:
+        _run_init_methods(module, log, undefined)
+        refs, undefined = _refs(module, log)
+    if undefined:
+        raise MaterializeError(_undefined_report(module, undefined))
+    return refs
+
+
+def _refs(module: nn.Module, log: InitLog) -> tuple[dict[str, Ref], dict[str, str]]:
+    replay = Replay(log)
+    refs: dict[str, Ref] = {}
+    undefined: dict[str, str] = {}
+    for name, t in _named(module).items():
+        if not t.is_meta:
+            continue
+        ref = log.ref(t)
+        outside = "it was put on the meta device outside the strategy's init context"
+        why = outside if ref is None else replay.defined(ref.key)
+        if why is None:
+            refs[name] = ref
+        else:
+            undefined[name] = why
+    return refs, undefined
+
+
+def _owner(module: nn.Module, name: str) -> tuple[str, nn.Module]:
+    path = name.rpartition(".")[0]
+    return path, module.get_submodule(path) if path else module
+
+
+def _run_init_methods(module: nn.Module, log: InitLog, undefined: Mapping[str, str]) -> None:
+    """The model's own init methods, recorded, for the modules owning undefined tensors."""
+    owners = {path: m for path, m in (_owner(module, n) for n in undefined)}
+    done: set[int] = set()
+    with recording(log), torch.no_grad():
+        for path, m in owners.items():
+            parts = path.split(".") if path else []
+            chain = [module.get_submodule(".".join(parts[:i])) for i in range(len(parts) + 1)]  # root .. owner
+            hf = next((a for a in reversed(chain) if hasattr(a, "initialize_weights") and hasattr(a, "_init_weights")),
+                      None)  # fmt: skip
+            whole = next((a for a in reversed(chain) if callable(getattr(a, "init_weights", None))), None)
+            if hf is not None:
+                if id(hf) not in done:
+                    done.add(id(hf))
+                    hf.initialize_weights()
+            elif whole is not None:
+                if id(whole) not in done:
+                    done.add(id(whole))
+                    whole.init_weights()
+            elif callable(getattr(m, "reset_parameters", None)):
+                m.reset_parameters()
+
+
+def _undefined_report(module: nn.Module, undefined: Mapping[str, str]) -> str:
+    lines = ["a model built on the meta device has tensors no rank can initialize as a single process would:"]
+    for name, why in list(undefined.items())[:8]:
+        path, owner = _owner(module, name)
+        lines.append(f"  {name} (module '{path or '<root>'}', {type(owner).__name__}): {why}")
+    if len(undefined) > 8:
+        lines.append(f"  ... ({len(undefined)} in all)")
+    _, first = _owner(module, next(iter(undefined)))
+    cls = type(first).__name__
+    lines.append(
+        f"Initialize these tensors in {cls}.__init__ (e.g. nn.init.normal_(self.weight, std=0.02)), or give {cls} a "
+        f"reset_parameters() that fills its own parameters and buffers (or the model an init_weights()); build the "
+        f"model inside trainer.init_module() or configure_model so its construction is recorded; or build it eagerly "
+        f"(trainer.init_module(empty_init=False))."
+    )
+    return "\n".join(lines)
+
+
+def materialize(
+    module: nn.Module,
+    log: InitLog,
+    refs: Mapping[str, Ref],
+    device: torch.device,
+    splits: Sequence[Any],
+) -> int:
+    """Allocate this rank's pieces on ``device`` and fill them; returns the number of names filled.
+
+    ``splits``: the tp / ep / pp objects (``local_state``: full tensors -> this rank's pieces,
+    no communication). An FSDP2 shard is then cut from the piece where its DTensor says, so no
+    rank sends anything: every rank recomputes the same full tensor.
+    """
+    state = module.state_dict(keep_vars=True)
+    persistent = [k for k, v in state.items() if isinstance(v, Tensor) and v.is_meta]
+    buffers = [n for n, b in module.named_buffers() if b.is_meta and n.replace(_WRAPPED, "") not in state]
+    module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    missing = [k for k in persistent if k not in refs] + [n for n in buffers if n.replace(_WRAPPED, "") not in refs]
+    if missing:
+        raise MaterializeError(
+            f"after the parallel dimensions were applied these meta tensors have no recorded initialization: "
+            f"{', '.join(missing[:8])}. A dimension created them on the meta device; build the model eagerly "
+            f"(trainer.init_module(empty_init=False)) for this layout."
+        )
+    targets = module.state_dict(keep_vars=True)
+    live = dict(module.named_buffers())
+    replay = Replay(log)
+    # The replay sets the generator before each draw; the user's stream is left as it was.
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        for name in persistent:
+            piece = replay.value(refs[name])
+            for split in splits:
+                piece = split.local_state({name: piece})[name]
+            _fill(name, targets[name], piece)
+            del piece
+            release_freed_memory()  # see record.py: freed full tensors would otherwise pile up
+        for name in buffers:
+            _fill(name, live[name], replay.value(refs[name.replace(_WRAPPED, "")]))
+    release_freed_memory()
+    return len(persistent) + len(buffers)
+
+
+def _fill(name: str, target: Tensor, piece: Tensor) -> None:
+    """Copy this rank's part of ``piece`` (the tensor at its tp/ep-local shape) into ``target``."""
+    if isinstance(target, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(piece.shape, target.device_mesh, target.placements)
+        piece = piece[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+        target = target._local_tensor
+    if tuple(target.shape) != tuple(piece.shape):
+        raise MaterializeError(
+            f"{name}: this rank holds shape {list(target.shape)}, its recorded initialization cuts to "
+            f"{list(piece.shape)}; a dimension changed the tensor in a way materialization does not follow. Build "
+            f"the model eagerly (trainer.init_module(empty_init=False)) for this layout."
+        )
+    target.copy_(piece)
+
+
+def release_freed_memory() -> None:
+    """Give the full tensors' freed pages back to the OS (glibc keeps freed heap memory below
+    its mmap threshold, ~32 MiB, for reuse: per-rank RSS would otherwise stay near the peak)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim, or the allocator returns pages itself
+        pass
+
+
+def placement_device(module: nn.Module, device_type: str) -> torch.device:
+    """Where a dimension should create its own tensors: the model's device, or for a model
+    still on the meta device the device it will be materialized on (this rank's)."""
+    p = next(module.parameters(), None)
+    if p is not None and not p.is_meta:
+        return p.device
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type)

@@ -1,0 +1,69 @@
+"""Models built on the meta device: each rank materializes only its pieces, with one process's values.
+
+The reference is the unchanged model built eagerly in one process (tests/distributed/scripts/
+reference.py); the runs build it under ``trainer.init_module(empty_init=True)`` or in
+``configure_model``, so every rank holds meta tensors until the dimensions have cut the model.
+Equal initialization is what makes the losses agree to 1e-5 from the first step.
+"""
+
+import pytest
+
+from reference import reference_run
+from tests_support import LayoutRuns, assert_equivalent, selected_cases
+
+STEPS = 3
+
+# (nproc, zero, tp, pp, build, extra script args)
+FAST = [
+    (2, 3, 1, 1, "configure", ()),
+    (2, 1, 2, 1, "meta", ()),
+    (2, 1, 1, 2, "meta", ("--microbatches", "2")),
+]
+EXTENDED = [
+    (2, 3, 1, 1, "meta", ()),
+    (4, 3, 2, 1, "meta", ()),  # tp x ZeRO-3
+    (2, 1, 1, 1, "meta", ("--cp", "2")),
+    (2, 2, 1, 1, "meta", ()),
+    (4, 3, 2, 2, "configure", ("--microbatches", "2")),  # tp x pp x ZeRO-3, built in configure_model
+    (2, 1, 1, 1, "meta", ("--ep", "2", "--model", "tiny_moe")),
+    (4, 3, 1, 2, "meta", ("--microbatches", "2")),  # pp x ZeRO-3: materialized before pp's FSDP2 lazy init
+]
+PARAMS = "nproc,zero,tp,pp,build,extra"
+
+
+def layout_case(test_name: str, params: dict):
+    if not test_name.startswith("test_meta_built_model_matches_single_process"):
+        return None
+    key = tuple(params[name] for name in PARAMS.split(","))
+    nproc, zero, tp, pp, build, extra = key
+    options = dict(zero=zero, steps=STEPS, tp=tp, extra=("--pp", str(pp), "--build", build, *extra))
+    return key, (nproc, options)
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    return LayoutRuns(tmp_path_factory.mktemp("meta"), selected_cases(request, layout_case))
+
+
+def check(runs, nproc, zero, tp, pp, build, extra):
+    result, params = runs[(nproc, zero, tp, pp, build, extra)]
+    assert (result["layout"]["tp"], result["layout"]["pp"], result["layout"]["zero"]) == (tp, pp, zero)
+    model = extra[extra.index("--model") + 1] if "--model" in extra else "tiny"
+    cp = int(extra[extra.index("--cp") + 1]) if "--cp" in extra else 1
+    ref_losses, ref_params = reference_run(STEPS, nproc // (tp * pp * cp), model=model)
+    assert_equivalent(result["losses"], params, ref_losses, ref_params)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(PARAMS, FAST)
+def test_meta_built_model_matches_single_process(runs, nproc, zero, tp, pp, build, extra):
+    check(runs, nproc, zero, tp, pp, build, extra)
+
+
+@pytest.mark.distributed
+@pytest.mark.extended
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(PARAMS, EXTENDED)
+def test_meta_built_model_matches_single_process_more_layouts(runs, nproc, zero, tp, pp, build, extra):
+    check(runs, nproc, zero, tp, pp, build, extra)
