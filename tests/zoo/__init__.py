@@ -44,6 +44,12 @@ MODELS: dict[str, tuple[str, str]] = {
     "gemma": ("zoo.hf_families:gemma", "HF Gemma: head_dim 32 != 64/4, embedding subclass scaling by "
               "sqrt(hidden), tied embeddings"),
 }
+# name -> (query heads, key/value heads): what a user fills into a model_plan's attention(...)
+HEADS: dict[str, tuple[int, int]] = {
+    "nanogpt": (4, 4), "plain_torch": (4, 4), "direct_lm": (4, 2), "moduledict_layers": (4, 4), "alternating": (4, 4),
+    "torch_encoder": (4, 4), "kwargs_forward": (4, 4), "nested_lists": (4, 2), "gpt_neox": (4, 4), "phi3": (4, 2),
+    "olmo2": (4, 2), "qwen3": (4, 2), "gemma": (4, 2),
+}  # fmt: skip
 HUGGING_FACE = ("gpt_neox", "phi3", "olmo2", "qwen3", "gemma")
 
 
