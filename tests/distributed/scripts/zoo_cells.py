@@ -69,6 +69,18 @@ def is_refusal(error: BaseException) -> bool:
     return any(cls.__module__.startswith("lightning_5d") for cls in type(error).__mro__[:-1])
 
 
+def cause(error: BaseException) -> str | None:
+    """The innermost exception of the chain (torch's pipeline stage re-raises a model's error
+    with a message of its own), or None when ``error`` is it."""
+    root = error
+    for _ in range(20):  # bounded: a chain, never a cycle
+        inner = root.__cause__ or root.__context__
+        if inner is None:
+            break
+        root = inner
+    return None if root is error else f"{type(root).__name__}: {root}"
+
+
 def advice_plan(message: str, heads: list[int]) -> dict | None:
     """The ``parallel.model_plan:`` snippet of a refusal as a dict, or None (no snippet).
 
@@ -133,7 +145,7 @@ def run_cell(cell: dict, out: Path, watchdog: Watchdog, model_plan: dict | None 
                             callbacks=[returned])  # fmt: skip
         trainer.fit(module, datamodule=make_datamodule(batch_size=cell["batch_size"]))
     except Exception as error:
-        info = {"type": type(error).__name__, "message": str(error), "refusal": is_refusal(error),
+        info = {"type": type(error).__name__, "message": str(error), "refusal": is_refusal(error), "cause": cause(error),
                 "steps_run": len(module.losses) + len(returned.losses), "traceback": traceback.format_exc()[-4000:]}  # fmt: skip
         (out / f"error_rank{RANK}.json").write_text(json.dumps(info, indent=1))
         status["refused" if info["refusal"] else "crash"] = info
@@ -145,7 +157,7 @@ def run_cell(cell: dict, out: Path, watchdog: Watchdog, model_plan: dict | None 
     if crashed:
         if RANK == 0:
             crash = crashed[0]
-            result = {"crash": f"{crash['type']}: {crash['message']}", "traceback": crash["traceback"],
+            result = {"crash": f"{crash['type']}: {crash['message']}", "cause": crash["cause"], "traceback": crash["traceback"],
                       "ranks_crashed": len(crashed)}  # fmt: skip
             (out / "result.json").write_text(json.dumps(result, indent=1))
         return

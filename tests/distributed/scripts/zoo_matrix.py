@@ -108,7 +108,7 @@ def _crash_record(where: Path, output: str, timed_out: bool) -> dict:
     record: dict = {"crash": None, "hung_ranks": [p.stem.removeprefix("hang_rank") for p in hangs]}
     if errors:
         first = json.loads(errors[0].read_text())  # the first rank to fail; the others often fail after it
-        record.update(crash=f"{first['type']}: {first['message']}", traceback=first["traceback"],
+        record.update(crash=f"{first['type']}: {first['message']}", cause=first.get("cause"), traceback=first["traceback"],
                       rank=errors[0].stem.removeprefix("error_rank"))  # fmt: skip
     elif hangs:
         record["crash"] = f"hang: {hangs[0].read_text().strip()} (ranks {', '.join(record['hung_ranks'])})"
@@ -154,17 +154,28 @@ def run_cells(cells: list[dict], root: Path, cell_limit: float = 90.0) -> None:
 
 
 def first_line(text: str) -> str:
-    return text.strip().splitlines()[0][:300] if text.strip() else ""
+    """The message's first line (with the next one where the first only introduces it)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].endswith(":"):
+        return f"{lines[0]} {lines[1]}"[:300]
+    return lines[0][:300] if lines else ""
+
+
+def crash_reason(record: dict) -> str:
+    """The innermost error first: torch's pipeline stage re-raises a model's error as its own."""
+    if record.get("cause"):
+        return f"{first_line(record['cause'])} (raised as {first_line(record['crash'])})"[:400]
+    return first_line(record["crash"])
 
 
 def judge(cell: dict, where: Path) -> dict:
     """The outcome of one run (the cell or its advice) in ``where``."""
     if (where / "crash.json").exists() and not (where / "result.json").exists():
         crash = json.loads((where / "crash.json").read_text())
-        return {"status": "crash", "reason": first_line(crash["crash"]), "message": crash["crash"][:3000]}
+        return {"status": "crash", "reason": crash_reason(crash), "message": crash["crash"][:3000]}
     result = json.loads((where / "result.json").read_text())
     if "crash" in result:
-        return {"status": "crash", "reason": first_line(result["crash"]), "message": result["crash"][:3000]}
+        return {"status": "crash", "reason": crash_reason(result), "message": result["crash"][:3000]}
     if "refused" in result:
         outcome = {"status": "refused", "reason": first_line(result["refused"]), "message": result["refused"][:3000],
                    "steps_run": result["steps_run"]}  # fmt: skip
@@ -195,9 +206,11 @@ def judge(cell: dict, where: Path) -> dict:
     ok = ok and (fp8 or outcome["param_error"] <= PARAM_RTOL)
     if ok:
         return {**outcome, "status": "pass"}
-    return {**outcome, "status": "wrong loss", "reason": f"loss off by {outcome['loss_error']:.1e} relative (first "
-            f"step {result['losses'][0]:.6f} vs {ref_losses[0]:.6f}), final parameters by "
-            f"{outcome['param_error']:.1e}"}  # fmt: skip
+    loss_ok = outcome["loss_error"] <= LOSS_RTOL
+    loss = f"loss {'within 1e-5' if loss_ok else 'off'} ({outcome['loss_error']:.1e} relative; first step " \
+        f"{result['losses'][0]:.6f} vs {ref_losses[0]:.6f})"
+    params = f"final parameters off by {outcome['param_error']:.1e}"
+    return {**outcome, "status": "wrong loss", "reason": f"{params}, {loss}" if loss_ok else f"{loss}, {params}"}
 
 
 def outcome_of(cell: dict, root: Path) -> dict:
@@ -225,6 +238,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="results folder (a rerun resumes it)")
     parser.add_argument("--models", default=",".join(zoo.MODELS))
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"of: {', '.join(LAYOUTS)}")
+    parser.add_argument("--cell-limit", type=float, default=90.0, help="seconds per cell at 2 processes before "
+                        "it counts as hung (scaled with the process count)")  # fmt: skip
     args = parser.parse_args()
     models, layouts = args.models.split(","), args.layouts.split(",")
     unknown = [m for m in models if m not in zoo.MODELS] + [lay for lay in layouts if lay not in LAYOUTS]
@@ -233,7 +248,7 @@ def main() -> None:
     cells = [c for c in MATRIX if c["model"] in models and c["layout"] in layouts]
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    run_cells(cells, args.out)
+    run_cells(cells, args.out, args.cell_limit)
     write_outcomes(cells, args.out, (time.perf_counter() - start) / 60, confirmed=False)
     confirm_wrong_losses(cells, args.out)
     write_outcomes(cells, args.out, (time.perf_counter() - start) / 60, confirmed=True)

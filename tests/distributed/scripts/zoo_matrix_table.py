@@ -31,7 +31,8 @@ def cell_text(outcome: dict, note) -> str:
             text += f"; advice: {advice['status']}" + (f" [{note(advice)}]" if advice["status"] in ("refused", "crash", "wrong loss") else "")  # noqa: E501
         return text
     if status == "wrong loss":
-        return f"**WRONG LOSS** {outcome['loss_error']:.0e} / params {outcome['param_error'] or 0:.0e} [{note(outcome)}]"
+        params = "names differ" if outcome.get("param_error") is None else f"{outcome['param_error']:.0e}"
+        return f"**WRONG LOSS** {outcome['loss_error']:.0e} / params {params}"  # the numbers: the section below
     return f"**crash** [{note(outcome)}]"
 
 
@@ -60,11 +61,12 @@ def render(outcomes: list[dict], run: dict, note_text: str) -> str:
         ZOO_BEGIN,
         "## The zoo: models written differently (issue 22)",
         "",
-        "Thirteen small causal LMs (hidden 64, 2 blocks, 4 query heads, vocabulary 256; `tests/zoo/`), each in "
-        "the obvious LightningModule (`zoo.adapter.ZooLM`: cross entropy from the batch's aligned labels, AdamW) "
-        "or, for `direct_lm`, holding its parameters on the LightningModule itself. Eight are hand-written in "
-        "the styles people use; five are Hugging Face families beyond the four above. The einops style is "
-        "not in the zoo: `einops` is not installed in the project's environment.",
+        f"{len(zoo.MODELS)} small causal LMs (hidden 64, 2 blocks, 4 query heads, vocabulary 256; `tests/zoo/`), "
+        "each in the obvious LightningModule (`zoo.adapter.ZooLM`: cross entropy from the batch's aligned labels, "
+        f"AdamW) or, for `direct_lm`, holding its parameters on the LightningModule itself. "
+        f"{len(zoo.MODELS) - len(zoo.HUGGING_FACE)} are hand-written in the styles people use; "
+        f"{len(zoo.HUGGING_FACE)} are Hugging Face families beyond the four above. The einops style is not in the "
+        "zoo: `einops` is not installed in the project's environment.",
         "",
         "| model | what makes it different |",
         "|---|---|",
