@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -96,6 +97,47 @@ def reference(model: str, ranks: int, steps: int = STEPS, batch_size: int = BATC
         losses.append(loss.item())
         optimizer.step()
     return losses, {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+# ---------------------------------------------------------------------------------- errors
+
+
+def is_refusal(error: BaseException) -> bool:
+    """An error lightning_5d raises on purpose (LayoutError, ModelMappingError, ...), not one from torch."""
+    return any(cls.__module__.startswith("lightning_5d") for cls in type(error).__mro__[:-1])
+
+
+def cause(error: BaseException) -> str | None:
+    """The innermost exception of the chain (torch's pipeline stage re-raises a model's error
+    with a message of its own), or None when ``error`` is it."""
+    root = error
+    for _ in range(20):  # bounded: a chain, never a cycle
+        inner = root.__cause__ or root.__context__
+        if inner is None:
+            break
+        root = inner
+    return None if root is error else f"{type(root).__name__}: {root}"
+
+
+def advice_plan(message: str, heads: list[int]) -> dict | None:
+    """The ``parallel.model_plan:`` snippet of a refusal as a dict, or None (no snippet).
+
+    Commented-out lines are left out (the message marks them optional). ``<num_heads>`` and
+    ``<num_kv_heads>`` are filled in with the model's head counts, as its author would; any
+    other ``<placeholder>`` stays, and the caller does not try such a plan.
+    """
+    message = message.replace("<num_heads>", str(heads[0])).replace("<num_kv_heads>", str(heads[1]))
+    if "model_plan:" not in message:
+        return None
+    plan = {}
+    for line in message.split("model_plan:", 1)[1].splitlines()[1:]:
+        match = re.match(r'^\s+"([^"]+)":\s*(.+?)\s*$', line)
+        if match is None:
+            if line.strip().startswith("#"):
+                continue
+            break
+        plan[match.group(1)] = match.group(2)
+    return plan or None
 
 
 # ---------------------------------------------------------------------------------- running
