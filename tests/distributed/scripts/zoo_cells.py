@@ -1,16 +1,20 @@
 """Zoo-matrix cells (tests/distributed/test_zoo_matrix.py), one after another in the same processes.
 
-Each cell builds a zoo model (tests/zoo) from seed 0, wraps nothing, and trains it under
-FiveDStrategy with the cell's layout. Per cell, in ``<out>/<cell id>/``:
+Each cell builds a zoo model (tests/zoo, in its own LightningModule) from seed 0 and trains
+it under FiveDStrategy with the cell's layout. Per cell, in ``<out>/<cell id>/``:
 
 - trained: rank 0 writes ``result.json`` ({"losses", "seconds"}) and ``params.pt``;
 - refused (every rank raised an error of lightning_5d's own before finishing): rank 0 writes
   ``result.json`` ({"refused": message, "steps_run"}); the processes go on with the next cell.
   When the message carries a ``model_plan:`` snippet without ``<placeholders>``, the cell is
   run once more with that plan (the advice), into ``<cell id>/advice/``;
-- crashed (any other exception): each rank that got one writes ``error_rank<r>.json`` and
-  the processes exit, because a failure deep in torch may leave a peer inside a collective
-  or leave patched state behind; the driver (zoo_matrix.py) starts the next cell afresh;
+- crashed (any other exception): each rank that got one writes ``error_rank<r>.json``. If
+  every rank meets the others within 30 s and no torch function mode is left active (a crash
+  on every rank alike), rank 0 writes ``result.json`` ({"crash", "cause"}) and the processes
+  go on; otherwise (a peer still inside a collective) they exit and the driver
+  (zoo_matrix.py) starts the next cell in fresh processes. A cell that then trains with a
+  wrong loss is rerun alone in fresh processes by the driver, so a leftover of an earlier
+  crash cannot pass for a wrong loss;
 - hung: a watchdog writes ``hang_rank<r>.txt`` and exits after ``--cell-limit`` seconds.
 """
 
