@@ -8,13 +8,10 @@ it under FiveDStrategy with the cell's layout. Per cell, in ``<out>/<cell id>/``
   ``result.json`` ({"refused": message, "steps_run"}); the processes go on with the next cell.
   When the message carries a ``model_plan:`` snippet without ``<placeholders>``, the cell is
   run once more with that plan (the advice), into ``<cell id>/advice/``;
-- crashed (any other exception): each rank that got one writes ``error_rank<r>.json``. If
-  every rank meets the others within 30 s and no torch function mode is left active (a crash
-  on every rank alike), rank 0 writes ``result.json`` ({"crash", "cause"}) and the processes
-  go on; otherwise (a peer still inside a collective) they exit and the driver
-  (zoo_matrix.py) starts the next cell in fresh processes. A cell that then trains with a
-  wrong loss is rerun alone in fresh processes by the driver, so a leftover of an earlier
-  crash cannot pass for a wrong loss;
+- crashed (any other exception): each rank that got one writes ``error_rank<r>.json`` and
+  exits, because a failure deep in torch may leave a peer inside a collective or state
+  behind; the driver (zoo_matrix.py) records the crash and starts the next cell in fresh
+  processes. A cell that trains with a wrong loss is also rerun alone in fresh processes;
 - hung: a watchdog writes ``hang_rank<r>.txt`` and exits after ``--cell-limit`` seconds.
 """
 
@@ -68,13 +65,10 @@ class Watchdog:
                 os._exit(4)
 
 
-def meet_peers(status: dict) -> None:
-    """Go on to the next cell only if every rank got here and nothing of this cell is left active.
-
-    A crash on every rank alike (a shape error under tp) leaves the processes usable; a rank
-    still inside a collective (its peer failed), or a torch function mode left entered by a
-    forward that raised, does not: then this process exits and the driver starts afresh.
-    """
+def meet_peers() -> None:
+    """Go on to the next cell only if every rank got here and nothing of this cell is left active
+    (a rank still inside a collective, or a torch function mode left entered by a forward that
+    raised, ends the processes; the driver starts afresh)."""
     _EXIT.failed = False
     try:
         if torch._C._len_torch_function_stack() > 0:
@@ -114,19 +108,16 @@ def run_cell(cell: dict, out: Path, watchdog: Watchdog, model_plan: dict | None 
         info = {"type": type(error).__name__, "message": str(error), "refusal": is_refusal(error), "cause": cause(error),
                 "steps_run": len(module.losses) + len(returned.losses), "traceback": traceback.format_exc()[-4000:]}  # fmt: skip
         (out / f"error_rank{RANK}.json").write_text(json.dumps(info, indent=1))
-        status["refused" if info["refusal"] else "crash"] = info
+        if not info["refusal"]:
+            # Recovering in these processes once let a later cp cell hang (twice in ~20 cp cells
+            # after crashes; never in fresh processes): the driver goes on in fresh ones.
+            sys.stdout.flush(), sys.stderr.flush()
+            os._exit(1)
+        status["refused"] = info
     seconds = time.perf_counter() - start
-    meet_peers(status)
+    meet_peers()
     statuses = [None] * WORLD
     dist.all_gather_object(statuses, status)
-    crashed = [s["crash"] for s in statuses if "crash" in s]
-    if crashed:
-        if RANK == 0:
-            crash = crashed[0]
-            result = {"crash": f"{crash['type']}: {crash['message']}", "cause": crash["cause"], "traceback": crash["traceback"],
-                      "ranks_crashed": len(crashed)}  # fmt: skip
-            (out / "result.json").write_text(json.dumps(result, indent=1))
-        return
     refused = [s["refused"] for s in statuses if "refused" in s]
     if refused:
         first = refused[0]

@@ -16,9 +16,8 @@ one process training the same module from the same seed on the same global batch
   each is run once more alone in fresh processes to rule out a previous cell's leftovers);
 - **crash**: any other exception, or no result within the cell limit (a hang).
 
-Cells of one process count run in one set of processes (zoo_cells.py); a crash after which the
-ranks cannot meet again (one stage failed while its peer waits) ends that set and the next cell
-starts a new one, so such a crash costs one process start.
+Cells of one process count run in one set of processes (zoo_cells.py); a crash ends that set
+and the next cell starts a new one, so a crash costs one process start.
 """
 
 from __future__ import annotations
