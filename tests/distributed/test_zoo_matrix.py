@@ -144,6 +144,8 @@ def test_judge_reads_refusals_and_crashes(tmp_path):
     assert refused["status"] == "refused" and refused["reason"].startswith("Cannot map Positional")
     assert refused["advice"]["status"] == "not tried"  # the plan was not run (no advice folder)
     crash = {"crash": "RuntimeError: \n   [Stage 0] failed to run forward:\n  args: ()", "cause": "ZeroDivisionError: x"}
-    (tmp_path / "result.json").write_text(json.dumps(crash))
-    crashed = judge(BY_ID["phi3__tp2xpp2"], tmp_path)
+    crashed_in = tmp_path / "crashed"
+    crashed_in.mkdir()
+    (crashed_in / "crash.json").write_text(json.dumps(crash))
+    crashed = judge(BY_ID["phi3__tp2xpp2"], crashed_in)
     assert crashed["reason"] == "ZeroDivisionError: x (raised as RuntimeError: [Stage 0] failed to run forward:)"

@@ -216,8 +216,6 @@ def judge(cell: dict, where: Path) -> dict:
         crash = json.loads((where / "crash.json").read_text())
         return {"status": "crash", "reason": crash_reason(crash), "message": crash["crash"][:3000]}
     result = json.loads((where / "result.json").read_text())
-    if "crash" in result:
-        return {"status": "crash", "reason": crash_reason(result), "message": result["crash"][:3000]}
     if "refused" in result:
         outcome = {"status": "refused", "reason": first_line(result["refused"]), "message": result["refused"][:3000],
                    "steps_run": result["steps_run"]}  # fmt: skip
