@@ -29,6 +29,9 @@ WHY = {
     "computes F.cross_entropy from the batch's aligned labels (as the Llama, Qwen2 and Mixtral modules do) runs "
     "under cp.",
 }
+# The zoo matrix's section of the same page (zoo_matrix_table.py writes it; kept here on rewrite).
+ZOO_BEGIN = "<!-- zoo matrix: written by tests/distributed/scripts/zoo_matrix_table.py -->"
+ZOO_END = "<!-- end of zoo matrix -->"
 OPTIONS = ("dp", "zero1", "zero3", "tp", "tp+sp", "cp", "pp 1f1b", "pp interleaved", "ep")
 
 
@@ -126,7 +129,9 @@ def main() -> None:
     ]
     for i, (why, message) in enumerate(notes.items(), 1):
         lines += [f"{i}. {why}", f"   Message: `{message}`", ""]
-    args.output.write_text("\n".join(lines).rstrip() + "\n")
+    page = args.output.read_text() if args.output.exists() else ""
+    zoo_section = "\n" + page[page.index(ZOO_BEGIN) :] if ZOO_BEGIN in page else ""
+    args.output.write_text("\n".join(lines).rstrip() + "\n" + zoo_section)
     print(f"{args.output}: {counts}", file=sys.stderr)
 
 

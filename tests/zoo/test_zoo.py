@@ -1,0 +1,32 @@
+"""The zoo's models themselves: seeded builds are identical (every rank starts from the same
+weights) and each is a causal LM (changing token t changes no logit before t)."""
+
+import lightning as L
+import pytest
+import torch
+
+import zoo
+
+
+@pytest.mark.parametrize("name", list(zoo.MODELS))
+def test_zoo_model_is_a_seeded_causal_lm(name):
+    if name in zoo.HUGGING_FACE:
+        pytest.importorskip("transformers")
+    L.seed_everything(0, verbose=False)
+    model = zoo.build(name).eval()
+    L.seed_everything(0, verbose=False)
+    again = zoo.build(name)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    y = x.clone()
+    y[:, 10] = (y[:, 10] + 1) % 256
+    with torch.no_grad():
+        a, b = model.logits(x), model.logits(y)
+    assert a.shape == (2, 16, 256)
+    torch.testing.assert_close(a[:, :10], b[:, :10], rtol=0, atol=1e-6)
+    assert not torch.allclose(a[:, 10:], b[:, 10:])
+
+
+def test_unknown_name_lists_the_zoo():
+    with pytest.raises(KeyError, match="nanogpt"):
+        zoo.build("gpt5")
