@@ -403,7 +403,8 @@ class FiveDStrategy(ParallelStrategy):
             self._check_experts_supported()
             self._ep = ExpertParallel(module, plan, self.mesh, self.config.expert)
         if cp > 1:
-            self._cp = ContextParallel(module, plan, self.mesh["cp"], self.config.context)
+            self._cp = ContextParallel(module, plan, self.mesh["cp"], self.config.context,
+                                       hybrid_groups=self.mesh.context_groups, tp=tp)  # fmt: skip
             rank_zero_info(f"[lightning_5d] context parallel: {self._cp.describe()}")
         if self.config.activation_checkpointing != ActivationCheckpointing.NONE:
             _, blocks = require_blocks(module, f"activation_checkpointing={self.config.activation_checkpointing.value}")

@@ -33,26 +33,45 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
-from lightning_5d.config import ContextConfig
+from lightning_5d.config import ContextConfig, ContextParallelMode
 from lightning_5d.parallel import context_attention
 from lightning_5d.parallel.context_attention import HuggingFaceSwitch, hugging_face_models, route_attention
 from lightning_5d.parallel.context_batch import ContextParallelError, SequenceShard, shard_batch
 from lightning_5d.parallel.context_loss import global_cross_entropy, global_metric
 from lightning_5d.parallel.context_positions import route_positions
+from lightning_5d.parallel.hybrid_attention import check_hybrid
 from lightning_5d.plan.model_plan import ModelPlan
 
 __all__ = ["ContextParallel", "ContextParallelError"]
 
 
 class ContextParallel:
-    """Routes ``module``'s positions and attention for sequence shards over ``cp_mesh``."""
+    """Routes ``module``'s positions and attention for sequence shards over ``cp_mesh``.
 
-    def __init__(self, module: nn.Module, plan: ModelPlan, cp_mesh: DeviceMesh, config: ContextConfig) -> None:
+    ``hybrid_groups(ulysses)``: this rank's (Ulysses, ring) process groups of the hybrid mode
+    (:meth:`lightning_5d.mesh.ParallelMesh.context_groups`), created only after the model's
+    heads per tensor-parallel rank (``tp``) passed :func:`check_hybrid`.
+    """
+
+    def __init__(
+        self, module: nn.Module, plan: ModelPlan, cp_mesh: DeviceMesh, config: ContextConfig,
+        hybrid_groups: Callable[[int], tuple[Any, Any]] | None = None, tp: int = 1,
+    ) -> None:  # fmt: skip
         self.group = cp_mesh.get_group()
         self.rank = cp_mesh.get_local_rank()
         self.size = cp_mesh.size()
         self.mode = config.mode
         self.sharding = config.sharding
+        self.ulysses = config.ulysses
+        self.ulysses_group: Any = None
+        self.ring_group: Any = None
+        if self.mode is ContextParallelMode.HYBRID:
+            for block in plan.block_plans:
+                heads = (block.attention.num_heads // tp, (block.attention.num_kv_heads or block.attention.num_heads) // tp)
+                check_hybrid(self.size, self.ulysses, heads)
+            if hybrid_groups is None:
+                raise ContextParallelError("context.mode='hybrid' needs the mesh's Ulysses and ring groups.")
+            self.ulysses_group, self.ring_group = hybrid_groups(self.ulysses)
         self.current: SequenceShard | None = None
         self.attention_calls = 0
         self.stats: dict[str, float] = {}  # ring-attention work (quarter-block units) and receive waits (s)
@@ -72,8 +91,9 @@ class ContextParallel:
         self._module = module
 
     def describe(self) -> str:
+        mode = self.mode.value + (f" ulysses={self.ulysses} x ring={self.size // self.ulysses}" if self.ulysses_group else "")
         return (
-            f"cp={self.size} ({self.mode.value}, {self.sharding.value}); attention: {self.attention_route}; "
+            f"cp={self.size} ({mode}, {self.sharding.value}); attention: {self.attention_route}; "
             f"positions: {self.position_route}"
         )
 

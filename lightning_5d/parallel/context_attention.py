@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_5d.config import ContextParallelMode, SequenceSharding
 from lightning_5d.parallel.context_batch import ContextParallelError
+from lightning_5d.parallel.hybrid_attention import hybrid_attention
 from lightning_5d.parallel.ring_attention import ring_attention
 from lightning_5d.parallel.ulysses_attention import alltoall_attention
 from lightning_5d.plan.model_plan import AttentionKernel, ModelPlan
@@ -72,10 +73,14 @@ def attend(
             f"step's sequence shard (no KV cache, no cross-attention)."
         )
     cp.attention_calls += 1
+    scale = q.size(-1) ** -0.5 if scale is None else float(scale)
+    if cp.mode is ContextParallelMode.HYBRID:
+        return hybrid_attention(q, k, v, cp.ulysses_group, cp.ulysses, cp.ring_group, causal=causal,
+                                sharding=cp.sharding, scale=scale, stats=cp.stats)  # fmt: skip
     if cp.mode is ContextParallelMode.ALL_TO_ALL:
         return alltoall_attention(q, k, v, cp.group, cp.size, causal=causal,
                                   zigzag=cp.sharding is SequenceSharding.ZIGZAG,
-                                  scale=q.size(-1) ** -0.5 if scale is None else float(scale))  # fmt: skip
+                                  scale=scale)  # fmt: skip
     return ring_attention(q, k, v, cp.group, causal=causal, mode=cp.mode, sharding=cp.sharding, scale=scale,
                           stats=cp.stats)  # fmt: skip
 
