@@ -98,6 +98,19 @@ def test_reference_model_matches_single_process_extended(runs, nproc, cp, tp, sp
     check_reference(runs, nproc, cp, tp, sp, zero, accumulate, clip, extra)
 
 
+@pytest.mark.distributed
+@pytest.mark.extended
+@pytest.mark.timeout(400)
+def test_hybrid_attention_sends_the_bytes_the_planner_predicts():
+    """cp=4, Ulysses pairs x ring of 2: the sends and all-to-alls of a step within 5% of the formula."""
+    from benchmarks.cp_bytes_vs_theory import measure_mode, row_ratio
+
+    row = measure_mode("hybrid", "hybrid", 2)
+    assert row["ranks_agree"]
+    assert {op: m["group_sizes"] for op, m in row["measured"].items()} == {"all_to_all": [2], "send": [2]}
+    assert 0.95 <= row_ratio(row) <= 1.05, row
+
+
 # (nproc, cp, tp, sp, zero): Hugging Face LlamaForCausalLM in the obvious LightningModule
 HF_FAST = [(2, 2, 1, False, 1)]
 HF_FULL = [(4, 4, 1, False, 1), (4, 2, 2, True, 1), (4, 2, 1, False, 3), (2, 2, 1, False, 1, "allgather"),
