@@ -83,18 +83,13 @@ def test_reference_model_matches_single_process(runs, nproc, cp, tp, sp, zero, a
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize(REF_PARAMS, REFERENCE_FULL)
+@pytest.mark.parametrize(
+    REF_PARAMS,
+    [pytest.param(*case, marks=pytest.mark.slow) for case in REFERENCE_FULL]
+    + [pytest.param(*case, marks=pytest.mark.extended) for case in REFERENCE_EXTENDED],
+)
 def test_reference_model_matches_single_process_full(runs, nproc, cp, tp, sp, zero, accumulate, clip, extra):
-    check_reference(runs, nproc, cp, tp, sp, zero, accumulate, clip, extra)
-
-
-@pytest.mark.distributed
-@pytest.mark.extended
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize(REF_PARAMS, REFERENCE_EXTENDED)
-def test_reference_model_matches_single_process_extended(runs, nproc, cp, tp, sp, zero, accumulate, clip, extra):
     check_reference(runs, nproc, cp, tp, sp, zero, accumulate, clip, extra)
 
 
