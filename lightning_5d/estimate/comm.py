@@ -282,7 +282,8 @@ def context_parallel_comm(
         calls = 2 * (forwards + backwards)  # q, out / dout, dq; and k, v / dk, dv
         where = link if ulysses == cp or ulysses_link is None else ulysses_link
         out += [
-            CommEntry("cp", Collective.ALL_TO_ALL, ulysses, calls, tokens * q_heads, where, "all-to-all q, out (Ulysses)"),
+            CommEntry("cp", Collective.ALL_TO_ALL, ulysses, calls, tokens * q_heads, where,
+                      "all-to-all q, out (Ulysses)"),
             CommEntry("cp", Collective.ALL_TO_ALL, ulysses, calls, kv_block / 2, where, "all-to-all k, v (Ulysses)"),
         ]  # fmt: skip
     if ring > 1:

@@ -107,7 +107,7 @@ def predict_step_time(est: Estimate, cluster: Cluster) -> StepTime:
     )
     # The ring's transfers run behind the block compute of attention; all-to-alls (Ulysses,
     # hybrid) and all-gathers block it: attention waits for their result.
-    ring = sum(t for entry, t in zip(est.comm, seconds) if entry.dim == "cp" and entry.collective is Collective.SEND_RECV)
+    ring = sum(t for e, t in zip(est.comm, seconds) if e.dim == "cp" and e.collective is Collective.SEND_RECV)
     exposed["cp"] = (comm["cp"] - ring) + max(0.0, ring - compute * attention_share)
     for d in ("tp", "pp", "ep"):
         exposed[d] = comm[d]

@@ -67,8 +67,8 @@ class ContextParallel:
         self.ring_group: Any = None
         if self.mode is ContextParallelMode.HYBRID:
             for block in plan.block_plans:
-                heads = (block.attention.num_heads // tp, (block.attention.num_kv_heads or block.attention.num_heads) // tp)
-                check_hybrid(self.size, self.ulysses, heads)
+                att = block.attention
+                check_hybrid(self.size, self.ulysses, (att.num_heads // tp, (att.num_kv_heads or att.num_heads) // tp))
             if hybrid_groups is None:
                 raise ContextParallelError("context.mode='hybrid' needs the mesh's Ulysses and ring groups.")
             self.ulysses_group, self.ring_group = hybrid_groups(self.ulysses)
@@ -91,7 +91,9 @@ class ContextParallel:
         self._module = module
 
     def describe(self) -> str:
-        mode = self.mode.value + (f" ulysses={self.ulysses} x ring={self.size // self.ulysses}" if self.ulysses_group else "")
+        mode = self.mode.value
+        if self.ulysses_group is not None:
+            mode += f" ulysses={self.ulysses} x ring={self.size // self.ulysses}"
         return (
             f"cp={self.size} ({mode}, {self.sharding.value}); attention: {self.attention_route}; "
             f"positions: {self.position_route}"

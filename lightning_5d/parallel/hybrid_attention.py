@@ -57,7 +57,8 @@ def check_hybrid(cp: int, ulysses: int | None, heads: tuple[int, int] | None = N
     alternatives = "use context.mode='ring' (any cp) or 'alltoall' (cp dividing the heads)"
     if ulysses is None:
         raise LayoutError(
-            f"context.mode='hybrid' needs context.ulysses, the cp ranks per all-to-all group; {hint}; or {alternatives}."
+            f"context.mode='hybrid' needs context.ulysses, the cp ranks per all-to-all group; {hint}; "
+            f"or {alternatives}."
         )
     if ulysses >= cp or cp % ulysses:
         raise LayoutError(
