@@ -70,6 +70,7 @@ class ContextParallelMode(str, Enum):
     RING = "ring"
     ALL_GATHER = "allgather"
     ALL_TO_ALL = "alltoall"  # Ulysses: sequence shard -> head shard around attention
+    HYBRID = "hybrid"  # Ulysses inside groups of `ulysses` cp ranks x ring across the groups (Megatron a2a+p2p)
 
 
 class SequenceSharding(str, Enum):
@@ -134,6 +135,10 @@ class PipelineConfig:
 class ContextConfig:
     mode: EnumField(ContextParallelMode) = ContextParallelMode.RING
     sharding: EnumField(SequenceSharding) = SequenceSharding.ZIGZAG
+    # mode="hybrid": cp ranks per all-to-all group (the ring runs over cp/ulysses groups).
+    ulysses: Optional_(
+        Int(ge=2, allowed="an integer >= 2"), "an integer >= 2 that divides cp (with mode='hybrid'), or None"
+    ) = None
 
 
 class LoadBalancing(str, Enum):
@@ -326,6 +331,8 @@ def ineffective_settings(config: ParallelConfig) -> list[str]:
         if getattr(config, size) == 1 and changed:
             keys = ", ".join(f"{section}.{k}" for k in changed)
             found.append(f"{keys} (only used with {size} > 1; {size}=1)")
+    if config.cp > 1 and config.context.mode is not ContextParallelMode.HYBRID and config.context.ulysses is not None:
+        found.append(f"context.ulysses (only used with context.mode='hybrid'; mode={config.context.mode.value!r})")
     if config.tp == 1 and config.sequence_parallel:
         found.append("sequence_parallel=True (only used with tp > 1; tp=1)")
     expert = config.expert

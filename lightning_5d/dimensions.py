@@ -439,7 +439,8 @@ class Context(Step):
         return True
 
     def apply(self, ctx: ApplyContext) -> None:
-        cp = ContextParallel(ctx.module, ctx.plan, ctx.mesh["cp"], ctx.config.context)
+        cp = ContextParallel(ctx.module, ctx.plan, ctx.mesh["cp"], ctx.config.context,
+                             hybrid_groups=ctx.mesh.context_groups, tp=ctx.mesh.size("tp"))  # fmt: skip
         rank_zero_info(f"[lightning_5d] context parallel: {cp.describe()}")
         ctx.applied.cp = cp
 

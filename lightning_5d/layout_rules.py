@@ -16,7 +16,16 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Callable
 
-from lightning_5d.config import SPLIT_BACKWARD, Layout, LayoutError, ParallelConfig, PipelineSchedule, ZeroStage
+from lightning_5d.config import (
+    SPLIT_BACKWARD,
+    ContextParallelMode,
+    Layout,
+    LayoutError,
+    ParallelConfig,
+    PipelineSchedule,
+    ZeroStage,
+)
+from lightning_5d.parallel.context.hybrid import check_hybrid
 from lightning_5d.pipeline_shape import check_schedule, default_microbatches
 
 
@@ -140,6 +149,8 @@ def refusal(c: Combination) -> tuple[Rule, str] | None:
 def validate_early(config: ParallelConfig) -> None:
     """Checks that need no world size and no model; run in the strategy's constructor and by
     ``l5d train`` before any process starts."""
+    if config.cp > 1 and config.context.mode is ContextParallelMode.HYBRID:
+        check_hybrid(config.cp, config.context.ulysses)
     pipe = config.pipeline
     if config.pp > 1:
         v = pipe.virtual_stages

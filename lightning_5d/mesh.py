@@ -86,6 +86,21 @@ class ParallelMesh:
     def group(self, name: str) -> dist.ProcessGroup:
         return self[name].get_group()
 
+    def context_groups(self, ulysses: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        """This rank's (Ulysses, ring) groups of the hybrid cp mode: cp cut into ``cp/ulysses × ulysses``.
+
+        The Ulysses group is ``ulysses`` consecutive cp ranks (cp rank ``g·ulysses + u`` is in
+        group ``g``); the ring group holds the cp ranks with the same ``u``, one per group.
+        Every rank creates every group, in the same order (``new_group``'s rule).
+        """
+        lay = self.layout
+        ranks = self.root.mesh.permute([lay.rank_order.index(d) for d in _CANONICAL])  # cp is dim 3
+        split = ranks.reshape(-1, lay.cp // ulysses, ulysses, lay.tp).permute(0, 3, 1, 2)  # [rest, tp, R, U]
+        rows = split.reshape(-1, lay.cp // ulysses, ulysses)
+        uly, _ = dist.new_subgroups_by_enumeration([r.tolist() for g in rows for r in g])
+        ring, _ = dist.new_subgroups_by_enumeration([c.tolist() for g in rows for c in g.t()])
+        return uly, ring
+
     @property
     def data_rank(self) -> int:
         """Which shard of the data this rank reads (tp/cp/pp peers read the same one)."""

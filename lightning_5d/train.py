@@ -110,7 +110,7 @@ def validate(cfg: DictConfig, refuse_combinations: bool = True):
     :class:`~lightning_5d.config.Layout`. ``refuse_combinations=False`` leaves the
     ``layout_rules`` refusals to the caller (``l5d estimate --recipe`` lists them as problems).
     """
-    from lightning_5d.config import LayoutError, ParallelConfig
+    from lightning_5d.config import ContextParallelMode, LayoutError, ParallelConfig
     from lightning_5d.layout_rules import refusal, validate_early
 
     devices = _positive_int(cfg, "devices")
@@ -128,6 +128,11 @@ def validate(cfg: DictConfig, refuse_combinations: bool = True):
         if layout.tp > 1:
             _check_tensor_parallel(model_config, parallel, layout.tp)
         _check_experts(model_config, layout, parallel.expert)
+        if layout.cp > 1 and parallel.context.mode is ContextParallelMode.HYBRID:
+            from lightning_5d.parallel.context.hybrid import check_hybrid
+
+            kv = model_config.num_kv_heads or model_config.num_heads
+            check_hybrid(layout.cp, parallel.context.ulysses, (model_config.num_heads // layout.tp, kv // layout.tp))
     # The strategy refuses these at setup too (same rules); here they fail before any worker starts.
     refused = refusal(layout_combination(cfg, parallel, layout)) if refuse_combinations else None
     if refused is not None:

@@ -128,7 +128,8 @@ def build_strategy(args):
         if args.tp > 1:
             extra.update(tp=args.tp, sequence_parallel=args.sp)
         if args.cp > 1:
-            extra.update(cp=args.cp, context={"mode": args.cp_mode, "sharding": args.cp_sharding})
+            context = {"mode": args.cp_mode, "sharding": args.cp_sharding, "ulysses": args.cp_ulysses}
+            extra.update(cp=args.cp, context=context)
         return lightning_5d.FiveDStrategy(zero=args.zero, dp_replicate=args.dp_replicate, **extra)
     if args.strategy == "ddp":
         return DDPStrategy()
@@ -253,7 +254,9 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (5d, mp_tp)")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism with --tp (5d, mp_tp)")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size (5d)")
-    parser.add_argument("--cp-mode", default="ring", choices=["ring", "allgather", "alltoall"], help="with --cp > 1")
+    parser.add_argument("--cp-mode", default="ring", choices=["ring", "allgather", "alltoall", "hybrid"],
+                        help="with --cp > 1")  # fmt: skip
+    parser.add_argument("--cp-ulysses", type=int, default=None, help="cp ranks per all-to-all group (hybrid)")
     parser.add_argument("--cp-sharding", default="zigzag", choices=["zigzag", "contiguous"], help="with --cp > 1")
     parser.add_argument("--bucket-mb", type=float, default=None, help="5d bucket size (default: the strategy's)")
     parser.add_argument("--model", required=True, help="LlamaConfig fields as JSON")

@@ -13,7 +13,7 @@ import sys
 from collections import Counter
 from typing import Any
 
-from lightning_5d.config import ActivationCheckpointing, LayoutError, PipelineSchedule
+from lightning_5d.config import ActivationCheckpointing, ContextParallelMode, LayoutError, PipelineSchedule
 from lightning_5d.layout_rules import Rule
 
 from .estimator import estimate
@@ -99,6 +99,9 @@ def register(subparsers: Any) -> None:
     sizes.add_argument("--tp", type=int, default=1)
     sizes.add_argument("--no-sp", action="store_true", help="tensor parallelism without sequence parallelism")
     sizes.add_argument("--cp", type=int, default=1)
+    sizes.add_argument("--cp-mode", choices=_choices(ContextParallelMode), default=ContextParallelMode.RING.value,
+                       help="how attention crosses the cp ranks")  # fmt: skip
+    sizes.add_argument("--cp-ulysses", type=int, default=None, help="with --cp-mode hybrid: cp ranks per all-to-all")
     sizes.add_argument("--pp", type=int, default=1)
     sizes.add_argument("--ep", type=int, default=1)
     sizes.add_argument("--zero", type=int, choices=range(4), default=1)
@@ -212,6 +215,8 @@ def run_estimate(args: argparse.Namespace) -> int:
             **_data_sizes(args),
             tp=args.tp,
             cp=args.cp,
+            cp_mode=args.cp_mode,
+            cp_ulysses=args.cp_ulysses,
             pp=args.pp,
             ep=args.ep,
             zero=args.zero,

@@ -105,6 +105,16 @@ def _ep_link(setup: TrainingSetup, gpus_per_node: int) -> Link:
     return Link.INTRA if setup.ep * inner <= gpus_per_node else Link.INTER
 
 
+def _ulysses_link(setup: TrainingSetup, gpus_per_node: int) -> Link:
+    # The hybrid mode's all-to-all groups are the innermost cp_ulysses ranks of cp: they span
+    # cp_ulysses * (dims inside cp) ranks.
+    if setup.cp_ulysses is None:
+        return group_link(setup, ("cp",), gpus_per_node)
+    order = setup.rank_order
+    inner = math.prod(getattr(setup, d) for d in order[order.index("cp") + 1 :])
+    return Link.INTRA if setup.cp_ulysses * inner <= gpus_per_node else Link.INTER
+
+
 def _grad_bytes(setup: TrainingSetup) -> int:
     """Gradients are reduced in fp32 when they are kept in fp32, else in bf16."""
     return 4 if setup.precision == Precision.FP32 or setup.fp32_grad_accumulation else 2
@@ -211,7 +221,7 @@ def comm_per_step(
             out.append(CommEntry("tp", Collective.ALL_REDUCE, t, 3 * M, stats, tp, "vocab-parallel loss"))
 
     if setup.cp > 1:
-        out.extend(context_parallel_comm(spec, setup, L, M, full, link("cp")))
+        out.extend(context_parallel_comm(spec, setup, L, M, full, link("cp"), _ulysses_link(setup, gpus_per_node)))
 
     if setup.pp > 1:
         boundary = act / (t if setup.sp else 1)
@@ -232,9 +242,11 @@ def comm_per_step(
 
 
 def context_parallel_comm(
-    spec: ModelSpec, setup: TrainingSetup, layers: int, microbatches: int, full_recompute: bool, link: Link
+    spec: ModelSpec, setup: TrainingSetup, layers: int, microbatches: int, full_recompute: bool, link: Link,
+    ulysses_link: Link | None = None,
 ) -> list[CommEntry]:  # fmt: skip
-    """Attention's cp traffic per step for ``setup.cp_mode`` (parallel/context/ring.py, ulysses.py).
+    """Attention's cp traffic per step for ``setup.cp_mode`` (parallel/context/ring.py, ulysses.py,
+    hybrid.py).
 
     Per layer and microbatch, with the local K/V block ``kv = 2·e·s·b·d·g/t`` bytes:
 
@@ -243,6 +255,10 @@ def context_parallel_comm(
     * allgather: forward all-gathers K/V; backward all-gathers it again and reduce-scatters dK/dV.
     * alltoall: forward turns q, k, v into head shards and the output back (4 all-to-alls);
       backward the same four on the gradients. Each sends (cp−1)/cp of the local tensor.
+    * hybrid (``U = setup.cp_ulysses``, ``R = cp/U``): the alltoall traffic over groups of U
+      ranks, then the ring's over R ranks; the ring's K/V block (h_kv/U heads of U·s positions)
+      has the local block's bytes. ``ulysses_link``: the U-rank groups' link (consecutive cp
+      ranks, often inside a node where the cp group is not).
 
     Full recompute replays the forward's traffic.
     """
@@ -251,26 +267,47 @@ def context_parallel_comm(
     kv_block = 2 * tokens * kv_heads_per_rank(spec, setup.tp)
     forwards = (2 if full_recompute else 1) * layers * microbatches
     backwards = layers * microbatches
-    if setup.cp_mode is ContextParallelMode.ALL_GATHER:
+    mode = setup.cp_mode
+    if mode is ContextParallelMode.ALL_GATHER:
         gathered = cp * kv_block
         return [
             CommEntry("cp", Collective.ALL_GATHER, cp, forwards + backwards, gathered, link, "all-gather K/V"),
             CommEntry("cp", Collective.REDUCE_SCATTER, cp, backwards, gathered, link, "reduce-scatter dK/dV"),
         ]
-    if setup.cp_mode is ContextParallelMode.ALL_TO_ALL:
-        q_heads, kv_heads = spec.num_heads // setup.tp, kv_heads_per_rank(spec, setup.tp)
-        if q_heads % cp or kv_heads % cp:
-            raise LayoutError(
-                f"cp_mode=alltoall shards attention heads over cp={cp}, but a tp={setup.tp} rank holds {q_heads} "
-                f"query and {kv_heads} KV heads; cp must divide both (or use cp_mode=ring)."
-            )
+    q_heads, kv_heads = spec.num_heads // setup.tp, kv_heads_per_rank(spec, setup.tp)
+    ulysses = cp_ulysses_size(setup, (q_heads, kv_heads))
+    ring = cp // ulysses
+    out = []
+    if ulysses > 1:
         calls = 2 * (forwards + backwards)  # q, out / dout, dq; and k, v / dk, dv
-        return [
-            CommEntry("cp", Collective.ALL_TO_ALL, cp, calls, tokens * q_heads, link, "all-to-all q, out (Ulysses)"),
-            CommEntry("cp", Collective.ALL_TO_ALL, cp, calls, kv_block / 2, link, "all-to-all k, v (Ulysses)"),
-        ]
-    hops = (cp - 1) * (forwards + backwards) + cp * backwards
-    return [CommEntry("cp", Collective.SEND_RECV, cp, hops, kv_block, link, "ring K/V, dK/dV")]
+        where = link if ulysses == cp or ulysses_link is None else ulysses_link
+        out += [
+            CommEntry("cp", Collective.ALL_TO_ALL, ulysses, calls, tokens * q_heads, where,
+                      "all-to-all q, out (Ulysses)"),
+            CommEntry("cp", Collective.ALL_TO_ALL, ulysses, calls, kv_block / 2, where, "all-to-all k, v (Ulysses)"),
+        ]  # fmt: skip
+    if ring > 1:
+        hops = (ring - 1) * (forwards + backwards) + ring * backwards
+        out.append(CommEntry("cp", Collective.SEND_RECV, ring, hops, kv_block, link, "ring K/V, dK/dV"))
+    return out
+
+
+def cp_ulysses_size(setup: TrainingSetup, heads: tuple[int, int]) -> int:
+    """The all-to-all group size of ``setup.cp_mode`` (1: ring only), checked against the heads per tp rank."""
+    cp, mode = setup.cp, setup.cp_mode
+    if mode is ContextParallelMode.ALL_TO_ALL:
+        if heads[0] % cp or heads[1] % cp:
+            raise LayoutError(
+                f"cp_mode=alltoall shards attention heads over cp={cp}, but a tp={setup.tp} rank holds {heads[0]} "
+                f"query and {heads[1]} KV heads; cp must divide both (or use cp_mode=ring or hybrid)."
+            )
+        return cp
+    if mode is ContextParallelMode.HYBRID:
+        from lightning_5d.parallel.context.hybrid import check_hybrid
+
+        check_hybrid(cp, setup.cp_ulysses, heads)
+        return setup.cp_ulysses
+    return 1
 
 
 def bytes_by_dim(entries: Iterable[CommEntry]) -> dict[str, float]:

@@ -236,14 +236,17 @@ def _context_parallel_transient(spec: ModelSpec, setup: TrainingSetup, kv_block:
     Forward buffers, in activation precision: ring, the K/V block in use and the one
     arriving; allgather, the whole gathered K/V (cp blocks); alltoall, the head-shard copies
     of q, k, v and the output (as many bytes as the local tensors) plus their copies
-    reordered to sequence order.
+    reordered to sequence order; hybrid, the alltoall's head shards plus the ring's two K/V
+    blocks of the head shard (h_kv/U heads of U·s positions: the local block's bytes).
     """
     cp, e = setup.cp, ACTIVATION_BYTES[setup.precision]
     if setup.cp_mode is ContextParallelMode.ALL_GATHER:
         return {"cp_gathered_kv": cp * kv_block}
+    q = e * setup.seq_len / cp * setup.micro_batch_size * spec.d_head * spec.num_heads / setup.tp
     if setup.cp_mode is ContextParallelMode.ALL_TO_ALL:
-        q = e * setup.seq_len / cp * setup.micro_batch_size * spec.d_head * spec.num_heads / setup.tp
         return {"cp_head_shards": 2 * (2 * q + kv_block)}
+    if setup.cp_mode is ContextParallelMode.HYBRID:
+        return {"cp_head_shards": 2 * (2 * q + kv_block), "cp_ring": 2 * kv_block}
     return {"cp_ring": 2 * kv_block}
 
 

@@ -248,6 +248,7 @@ def setup_from_recipe(cfg: Any, layout: Any = None) -> TrainingSetup:
         tp=layout.tp,
         cp=layout.cp,
         cp_mode=parallel.context.mode,
+        cp_ulysses=parallel.context.ulysses,
         pp=layout.pp,
         ep=layout.ep,
         zero=parallel.zero,

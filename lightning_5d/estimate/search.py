@@ -5,7 +5,10 @@
    drop those the runtime refuses for the layout alone (``lightning_5d.layout_rules``, the rules
    FiveDStrategy raises from), counting them per rule.
 2. For each, take the cheapest activation recomputation that fits in memory (none, then
-   selective, then full) - recomputation only ever costs time.
+   selective, then full) - recomputation only ever costs time. With cp > 1, each way attention
+   can cross the cp ranks (``cp_modes``: ring, allgather, alltoall where the heads per tp rank
+   divide by cp, hybrid for every valid all-to-all group size) is estimated, and the one with
+   the shortest predicted step that fits is kept; the row says why, against the others.
 3. Rank what fits by predicted time per token (= step time for a fixed global batch), then
    exposed communication, memory headroom, bubble, ... (``ranking.py``); say why each row is
    there, and why it beats the next one.
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 from itertools import product
 from typing import Any
 
-from lightning_5d.config import ActivationCheckpointing, LayoutError, PipelineSchedule, ZeroStage
+from lightning_5d.config import ActivationCheckpointing, ContextParallelMode, LayoutError, PipelineSchedule, ZeroStage
 from lightning_5d.layout_rules import Combination, Rule, refusal
 
 from .comm import Link, group_link
@@ -27,6 +30,7 @@ from .estimator import Estimate, estimate
 from .ranking import RECOMPUTE_ORDER, Candidate, rank_key, why_ahead
 from .spec import ModelSpec, load_spec
 from .timing import GIB, Cluster, StepTime, predict_step_time
+from .params import kv_heads_per_rank
 from .training import Precision, TrainingSetup, valid_cp, valid_pp, valid_tp
 
 ALL_DIMS = frozenset({"dp_replicate", "dp_shard", "tp", "cp", "pp", "ep"})
@@ -50,9 +54,13 @@ class PlanEntry:
     def setup(self) -> TrainingSetup:
         return self.estimate.setup
 
-    def layout(self) -> dict[str, int]:
-        """Sizes + ZeRO stage, the keyword arguments FiveDStrategy takes."""
-        return {**{k: getattr(self.setup, k) for k in LAYOUT_KEYS}, "zero": int(self.setup.zero)}
+    def layout(self) -> dict[str, Any]:
+        """Sizes + ZeRO stage (+ the cp mode with cp > 1), the keyword arguments FiveDStrategy takes."""
+        out: dict[str, Any] = {**{k: getattr(self.setup, k) for k in LAYOUT_KEYS}, "zero": int(self.setup.zero)}
+        if self.setup.cp > 1:
+            ulysses = {"ulysses": self.setup.cp_ulysses} if self.setup.cp_ulysses else {}
+            out["context"] = {"mode": self.setup.cp_mode.value, **ulysses}
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -229,7 +237,44 @@ def _batch_split(
     return micro, 1
 
 
-def _explain(est: Estimate, time: StepTime, cluster: Cluster, fits: bool) -> str:
+def cp_modes(spec: ModelSpec, setup: TrainingSetup) -> list[TrainingSetup]:
+    """``setup`` in every cp mode the model's heads allow (itself when cp = 1).
+
+    alltoall needs cp to divide the query and KV heads per tp rank; hybrid, an all-to-all group
+    size U (1 < U < cp) dividing cp and those heads (``hybrid_attention.valid_ulysses``).
+    """
+    if setup.cp == 1:
+        return [setup]
+    from lightning_5d.parallel.context.hybrid import valid_ulysses
+
+    heads = (spec.num_heads // setup.tp, kv_heads_per_rank(spec, setup.tp))
+    out = [setup.replace(cp_mode=ContextParallelMode.RING, cp_ulysses=None),
+           setup.replace(cp_mode=ContextParallelMode.ALL_GATHER, cp_ulysses=None)]  # fmt: skip
+    if heads[0] % setup.cp == 0 and heads[1] % setup.cp == 0:
+        out.append(setup.replace(cp_mode=ContextParallelMode.ALL_TO_ALL, cp_ulysses=None))
+    out += [setup.replace(cp_mode=ContextParallelMode.HYBRID, cp_ulysses=u) for u in valid_ulysses(setup.cp, heads)]
+    return out
+
+
+def _cp_choice(chosen: tuple[Estimate, StepTime], others: list[tuple[TrainingSetup, StepTime | None]]) -> str:
+    """Why ``chosen``'s cp mode: its predicted step and exposed cp time next to the other modes'."""
+    est, time = chosen
+    s = est.setup
+    heads = (est.spec.num_heads // s.tp, kv_heads_per_rank(est.spec, s.tp))
+
+    def text(setup: TrainingSetup, t: StepTime | None) -> str:
+        if t is None:
+            return f"{setup.cp_mode_text} does not fit"
+        return f"{setup.cp_mode_text} {t.total:.3f} s (cp exposed {t.exposed['cp'] * 1e3:.0f} ms)"
+
+    limits = "" if heads[0] % s.cp == 0 and heads[1] % s.cp == 0 else (
+        f"; alltoall impossible: cp={s.cp} does not divide {heads[0]} query / {heads[1]} KV heads per tp rank"
+    )  # fmt: skip
+    rest = ", ".join(text(o, t) for o, t in others)
+    return f"attention over cp as {text(s, time)}" + (f", vs {rest}" if rest else "") + limits
+
+
+def _explain(est: Estimate, time: StepTime, cluster: Cluster, fits: bool, cp_choice: str = "") -> str:
     s, mem = est.setup, est.memory
     gpn = cluster.gpus_per_node
     parts: list[str] = []
@@ -244,6 +289,8 @@ def _explain(est: Estimate, time: StepTime, cluster: Cluster, fits: bool) -> str
         )
     if s.cp > 1:
         parts.append(f"cp={s.cp} splits the {s.seq_len}-token sequence")
+        if cp_choice:
+            parts.append(cp_choice)
     if s.ep > 1:
         parts.append(f"ep={s.ep} spreads {est.spec.num_experts} experts")
     if s.zero > ZeroStage.NONE:
@@ -295,6 +342,7 @@ def plan(
     modes = [ActivationCheckpointing(m) for m in recompute_modes]
     fitting: list[tuple[Estimate, StepTime]] = []
     unfit: list[tuple[Estimate, StepTime]] = []
+    cp_choices: dict[int, str] = {}  # id(estimate) -> why its cp mode
     for base in enumerate_setups(
         spec,
         cluster.gpus,
@@ -310,16 +358,28 @@ def plan(
         refused=refused,
     ):
         smallest = None
-        for mode in modes:
-            est = estimate(spec, base.replace(recompute=mode), gpus_per_node=cluster.gpus_per_node)
-            if est.memory.total <= cluster.usable_memory_bytes:
-                fitting.append((est, predict_step_time(est, cluster)))
-                break
-            if smallest is None or est.memory.total < smallest.memory.total:
-                smallest = est
-        else:
-            if smallest is not None:
-                unfit.append((smallest, predict_step_time(smallest, cluster)))
+        fitting_modes: list[tuple[Estimate, StepTime]] = []
+        tried: list[tuple[TrainingSetup, StepTime | None]] = []
+        for variant in cp_modes(spec, base):
+            found = None
+            for mode in modes:
+                est = estimate(spec, variant.replace(recompute=mode), gpus_per_node=cluster.gpus_per_node)
+                if est.memory.total <= cluster.usable_memory_bytes:
+                    found = (est, predict_step_time(est, cluster))
+                    break
+                if smallest is None or est.memory.total < smallest.memory.total:
+                    smallest = est
+            if found is not None:
+                fitting_modes.append(found)
+            tried.append((variant, found[1] if found else None))
+        if fitting_modes:
+            best = min(fitting_modes, key=lambda pair: pair[1].total)
+            fitting.append(best)
+            if base.cp > 1:
+                others = [(v, t) for v, t in tried if v.replace(recompute=best[0].setup.recompute) != best[0].setup]
+                cp_choices[id(best[0])] = _cp_choice(best, others)
+        elif smallest is not None:
+            unfit.append((smallest, predict_step_time(smallest, cluster)))
     if not fitting and not include_unfit:
         if not unfit:
             raise NoLayoutFitsError(
@@ -352,7 +412,7 @@ def plan(
             ahead = why_ahead(c, nxt[0])
         else:
             ahead = f"less memory: {c.estimate.memory.total / GIB:.1f} vs {nxt[0].estimate.memory.total / GIB:.1f} GiB"
-        why = _explain(c.estimate, c.time, cluster, fits)
+        why = _explain(c.estimate, c.time, cluster, fits, cp_choices.get(id(c.estimate), ""))
         entries.append(PlanEntry(i + 1, c.estimate, c.time, fits, why, ahead))
     return entries
 

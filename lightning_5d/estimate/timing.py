@@ -6,7 +6,8 @@ Which communication can hide behind compute, and behind which part of it:
   backward, but the last bucket always trails it; ZeRO-1/2's post-step all-gather and the HSDP
   all-reduce across replicas are waited for with nothing to run beside them; ZeRO-3 streams
   layer by layer behind each microbatch.
-* CP: ring hops overlap the attention-core compute of the block they feed.
+* CP: ring hops overlap the attention-core compute of the block they feed; the all-to-alls of
+  the alltoall and hybrid modes and the all-gather mode's collectives block attention (exposed).
 * TP/SP, PP, EP: on the critical path (the next op needs the result) - fully exposed.
 
 Each collective launch also pays a fixed latency (alpha), which is what makes ZeRO-3's
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 from lightning_5d.config import ZeroStage
 
-from .comm import DIMENSIONS, Link
+from .comm import DIMENSIONS, Collective, Link
 from .estimator import Estimate
 from .overlap import data_parallel_exposed
 from .training import Precision
@@ -113,7 +114,10 @@ def predict_step_time(est: Estimate, cluster: Cluster) -> StepTime:
     exposed["dp"] = data_parallel_exposed(
         est.comm, seconds, setup.zero, setup.microbatches_per_step, compute, backward_share
     )
-    exposed["cp"] = max(0.0, comm["cp"] - compute * attention_share)
+    # The ring's transfers run behind the block compute of attention; all-to-alls (Ulysses,
+    # hybrid) and all-gathers block it: attention waits for their result.
+    ring = sum(t for e, t in zip(est.comm, seconds) if e.dim == "cp" and e.collective is Collective.SEND_RECV)
+    exposed["cp"] = (comm["cp"] - ring) + max(0.0, ring - compute * attention_share)
     for d in ("tp", "pp", "ep"):
         exposed[d] = comm[d]
     return StepTime(

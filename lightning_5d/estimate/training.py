@@ -75,6 +75,7 @@ class TrainingSetup:
     tp: int = 1
     cp: int = 1
     cp_mode: ContextParallelMode = ContextParallelMode.RING  # how attention crosses the cp ranks
+    cp_ulysses: int | None = None  # cp_mode=hybrid: cp ranks per all-to-all group (the ring runs over cp/cp_ulysses)
     pp: int = 1
     ep: int = 1
     zero: ZeroStage = ZeroStage.OPTIMIZER  # ParallelConfig's default; irrelevant without data parallelism
@@ -197,6 +198,8 @@ class TrainingSetup:
         else:
             parts = [f"dp={self.dp}"]
         parts += [f"{d}={getattr(self, d)}" for d in ("tp", "cp", "pp", "ep") if getattr(self, d) > 1]
+        if self.cp > 1:
+            parts.append(self.cp_mode_text)
         parts.append(f"zero={int(self.zero)}")
         if self.pp > 1:
             sched = self.schedule.value + (f"(v={self.v})" if self.v > 1 else "")
@@ -210,12 +213,21 @@ class TrainingSetup:
             parts.append(f"ac={self.recompute.value}")
         return " ".join(parts)
 
+    @property
+    def cp_mode_text(self) -> str:
+        """``ring``, ``allgather``, ``alltoall`` or ``hybrid(a2a=U,ring=R)``."""
+        if self.cp_mode is ContextParallelMode.HYBRID and self.cp_ulysses:
+            return f"hybrid(a2a={self.cp_ulysses},ring={self.cp // self.cp_ulysses})"
+        return self.cp_mode.value
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "dp_replicate": self.dp_replicate,
             "dp_shard": self.dp_shard,
             "tp": self.tp,
             "cp": self.cp,
+            "cp_mode": self.cp_mode.value,
+            "cp_ulysses": self.cp_ulysses,
             "pp": self.pp,
             "ep": self.ep,
             "zero": int(self.zero),

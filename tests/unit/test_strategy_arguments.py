@@ -74,6 +74,7 @@ INVALID: list[tuple[str, dict]] = [
             ("context", [1]),
             ("context.mode", {"mode": "spiral"}),
             ("context.sharding", {"sharding": "spiral"}),
+            ("context.ulysses", {"mode": "hybrid", "ulysses": 1}),
             ("context", {"ring": True}),
         )
     ],

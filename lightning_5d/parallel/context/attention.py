@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_5d.config import ContextParallelMode, SequenceSharding
 from lightning_5d.parallel.context.batch import ContextParallelError
+from lightning_5d.parallel.context.hybrid import hybrid_attention
 from lightning_5d.parallel.context.ring import ring_attention
 from lightning_5d.parallel.context.state import ContextState
 from lightning_5d.parallel.context.ulysses import alltoall_attention
@@ -70,10 +71,14 @@ def attend(
             f"step's sequence shard (no KV cache, no cross-attention)."
         )
     cp.attention_calls += 1
+    scale = q.size(-1) ** -0.5 if scale is None else float(scale)
+    if cp.mode is ContextParallelMode.HYBRID:
+        return hybrid_attention(q, k, v, cp.ulysses_group, cp.ulysses, cp.ring_group, causal=causal,
+                                sharding=cp.sharding, scale=scale, stats=cp.stats)  # fmt: skip
     if cp.mode is ContextParallelMode.ALL_TO_ALL:
         return alltoall_attention(q, k, v, cp.group, cp.size, causal=causal,
                                   zigzag=cp.sharding is SequenceSharding.ZIGZAG,
-                                  scale=q.size(-1) ** -0.5 if scale is None else float(scale))  # fmt: skip
+                                  scale=scale)  # fmt: skip
     return ring_attention(q, k, v, cp.group, causal=causal, mode=cp.mode, sharding=cp.sharding, scale=scale,
                           stats=cp.stats)  # fmt: skip
 

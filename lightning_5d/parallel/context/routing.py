@@ -32,10 +32,11 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
-from lightning_5d.config import ContextConfig
+from lightning_5d.config import ContextConfig, ContextParallelMode
 from lightning_5d.parallel.context import attention as context_attention
 from lightning_5d.parallel.context.attention import HuggingFaceSwitch, hugging_face_models, route_attention
 from lightning_5d.parallel.context.batch import ContextParallelError, shard_batch
+from lightning_5d.parallel.context.hybrid import check_hybrid
 from lightning_5d.parallel.context.loss import global_cross_entropy, global_metric
 from lightning_5d.parallel.context.positions import route_positions
 from lightning_5d.parallel.context.state import ContextState
@@ -45,10 +46,28 @@ __all__ = ["ContextParallel", "ContextParallelError"]
 
 
 class ContextParallel(ContextState):
-    """Routes ``module``'s positions and attention for sequence shards over ``cp_mesh``."""
+    """Routes ``module``'s positions and attention for sequence shards over ``cp_mesh``.
 
-    def __init__(self, module: nn.Module, plan: ModelPlan, cp_mesh: DeviceMesh, config: ContextConfig) -> None:
+    ``hybrid_groups(ulysses)``: this rank's (Ulysses, ring) process groups of the hybrid mode
+    (:meth:`lightning_5d.mesh.ParallelMesh.context_groups`), created only after the model's
+    heads per tensor-parallel rank (``tp``) passed :func:`check_hybrid`.
+    """
+
+    def __init__(
+        self, module: nn.Module, plan: ModelPlan, cp_mesh: DeviceMesh, config: ContextConfig,
+        hybrid_groups: Callable[[int], tuple[Any, Any]] | None = None, tp: int = 1,
+    ) -> None:  # fmt: skip
         super().__init__(cp_mesh, config)
+        self.ulysses = config.ulysses
+        self.ulysses_group: Any = None
+        self.ring_group: Any = None
+        if self.mode is ContextParallelMode.HYBRID:
+            for block in plan.block_plans:
+                att = block.attention
+                check_hybrid(self.size, self.ulysses, (att.num_heads // tp, (att.num_kv_heads or att.num_heads) // tp))
+            if hybrid_groups is None:
+                raise ContextParallelError("context.mode='hybrid' needs the mesh's Ulysses and ring groups.")
+            self.ulysses_group, self.ring_group = hybrid_groups(self.ulysses)
         self._checked_peers = False
         previous = getattr(module, _ATTACHED, None)
         if previous is not None:  # a new Trainer on the same module: one set of hooks, not two
@@ -63,8 +82,11 @@ class ContextParallel(ContextState):
         self._module = module
 
     def describe(self) -> str:
+        mode = self.mode.value
+        if self.ulysses_group is not None:
+            mode += f" ulysses={self.ulysses} x ring={self.size // self.ulysses}"
         return (
-            f"cp={self.size} ({self.mode.value}, {self.sharding.value}); attention: {self.attention_route}; "
+            f"cp={self.size} ({mode}, {self.sharding.value}); attention: {self.attention_route}; "
             f"positions: {self.position_route}"
         )
 

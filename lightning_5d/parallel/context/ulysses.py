@@ -19,7 +19,7 @@ The all-to-all is its own adjoint's inverse: the gradient of "sequence → heads
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -116,15 +116,24 @@ def _to_rank_order(x: Tensor, cp: int, zigzag: bool) -> Tensor:
     return torch.cat([zigzag_shard(x, 2, r, cp) for r in range(cp)], dim=2) if zigzag else x
 
 
+HeadShardAttention = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
 def alltoall_attention(
-    q: Tensor, k: Tensor, v: Tensor, group: Any, cp: int, *, causal: bool, zigzag: bool, scale: float
+    q: Tensor, k: Tensor, v: Tensor, group: Any, cp: int, *, causal: bool, zigzag: bool, scale: float,
+    inner: HeadShardAttention | None = None,
 ) -> Tensor:  # fmt: skip
     """Attention of this rank's sequence shard (``[b, hq, s_local, d]``; K/V ``[b, hkv, s_local, d]``).
 
     ``zigzag``: the shards follow :func:`zigzag_shard` (else contiguous shards in rank order).
+    ``inner``: the attention of the head shard ``[b, h/cp, cp·s_local, d]`` (the ``cp`` shards
+    of ``group`` in sequence order); default, the fused kernel over it as the whole sequence.
+    The hybrid mode passes ring attention across the groups here: with zig-zag sharding, the
+    ``cp`` shards of a group in sequence order are exactly the group's zig-zag shard of a ring
+    over the groups (:mod:`lightning_5d.parallel.context.hybrid`).
     """
     check_alltoall_heads(q.size(1), k.size(1), cp)
     qh, kh, vh = (_SeqToHeads.apply(t, group, cp) for t in (q, k, v))
     qh, kh, vh = (_to_sequence_order(t, cp, zigzag) for t in (qh, kh, vh))
-    out = _FusedAttention.apply(qh, kh, vh, scale, causal)
+    out = _FusedAttention.apply(qh, kh, vh, scale, causal) if inner is None else inner(qh, kh, vh)
     return _HeadsToSeq.apply(_to_rank_order(out, cp, zigzag).contiguous(), group, cp)

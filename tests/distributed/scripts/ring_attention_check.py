@@ -37,12 +37,22 @@ def rel(x, ref):
     return ((x.double() - ref).norm() / ref.norm()).item()
 
 
+# hybrid (cp >= 4): Ulysses over pairs of consecutive ranks x ring over the cp/2 pairs
+ULYSSES = 2
+hybrid_groups = None
+if cp >= 4:
+    uly, _ = dist.new_subgroups_by_enumeration([list(range(g, g + ULYSSES)) for g in range(0, cp, ULYSSES)])
+    ring, _ = dist.new_subgroups_by_enumeration([list(range(u, cp, ULYSSES)) for u in range(ULYSSES)])
+    hybrid_groups = (uly, ring)
+
 records = []
-MODES = ("ring", "allgather", "alltoall")
+MODES = ("ring", "allgather", "alltoall", "hybrid")
 combos = itertools.product(args.dtypes.split(","), MODES, (False, True), (False, True), (HQ, HQ // 2))
 for dtype_name, mode, causal, zigzag, hkv in combos:
     if mode == "alltoall" and (HQ % cp or hkv % cp):
         continue  # heads must divide over cp (the error is a unit test)
+    if mode == "hybrid" and (hybrid_groups is None or hkv % ULYSSES):
+        continue
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator().manual_seed(1234)
     q, k, v = (torch.randn(B, h, S, D, generator=gen).to(dtype) for h in (HQ, hkv, hkv))
@@ -59,6 +69,10 @@ for dtype_name, mode, causal, zigzag, hkv in combos:
     stats = {}
     if mode == "alltoall":
         out = alltoall_attention(ql, kl, vl, group, cp, causal=causal, zigzag=zigzag, scale=D**-0.5)
+    elif mode == "hybrid":
+        out = hybrid_attention(ql, kl, vl, hybrid_groups[0], ULYSSES, hybrid_groups[1], causal=causal,
+                               sharding=SequenceSharding.ZIGZAG if zigzag else SequenceSharding.CONTIGUOUS,
+                               scale=D**-0.5, stats=stats)  # fmt: skip
     else:
         out = ring_attention(
             ql, kl, vl, group, causal=causal, mode=mode, sharding="zigzag" if zigzag else "contiguous", stats=stats

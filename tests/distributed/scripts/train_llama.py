@@ -26,7 +26,8 @@ parser.add_argument("--dp-replicate", type=int, default=1)
 parser.add_argument("--tp", type=int, default=1)
 parser.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
 parser.add_argument("--cp", type=int, default=1)
-parser.add_argument("--cp-mode", default="ring", choices=["ring", "allgather", "alltoall"])
+parser.add_argument("--cp-mode", default="ring", choices=["ring", "allgather", "alltoall", "hybrid"])
+parser.add_argument("--cp-ulysses", type=int, default=None, help="cp ranks per all-to-all group (--cp-mode hybrid)")
 parser.add_argument("--cp-sharding", default="zigzag", choices=["zigzag", "contiguous"])
 parser.add_argument("--pp", type=int, default=1)
 parser.add_argument("--ep", type=int, default=1)
@@ -121,7 +122,7 @@ def run(args: argparse.Namespace) -> None:
                 "virtual_stages": args.virtual_stages,
                 "log_bubble": args.pp > 1,
             },
-            context={"mode": args.cp_mode, "sharding": args.cp_sharding},
+            context={"mode": args.cp_mode, "sharding": args.cp_sharding, "ulysses": args.cp_ulysses},
             sequence_parallel=args.sp,
             zero=int(args.zero),
             activation_checkpointing=args.ac,

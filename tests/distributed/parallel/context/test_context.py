@@ -3,7 +3,8 @@
 Equivalence runs train under FiveDStrategy(cp=...) and the same module in one process,
 fp32, 5 steps: every step's loss within 1e-5 relative and the parameter vector within
 1e-5 relative (as in test_tensor.py). The fast tier runs cp=2 on the reference model,
-cp x dp with ZeRO-3 and Hugging Face Llama at cp=2; the rest is slow.
+cp x dp with ZeRO-3, the hybrid mode at cp=4 (in the same 4-process launch) and Hugging Face Llama at
+cp=2; the rest is slow or extended.
 """
 
 import json
@@ -22,6 +23,7 @@ STEPS = 5
 REFERENCE_FAST = [
     (2, 2, 1, False, 1, 1, None, ("--ac", "full")),  # recomputation in backward goes through the ring too
     (4, 2, 1, False, 3, 1, None, ()),  # cp x dp_shard=2 with ZeRO-3
+    (4, 4, 1, False, 1, 1, None, ("--cp-mode", "hybrid", "--cp-ulysses", "2")),  # Ulysses pairs x ring of 2; cp > kv heads
 ]
 REFERENCE_FULL = [
     (2, 2, 1, False, 1, 2, 0.5, ()),
@@ -34,6 +36,12 @@ REFERENCE_FULL = [
     (2, 2, 1, False, 1, 1, None, ("--cp-mode", "alltoall")),  # Ulysses
     (4, 2, 2, True, 1, 1, None, ("--cp-mode", "alltoall")),  # Ulysses x tp+SP: heads/tp shard over cp
     (4, 2, 1, False, 3, 1, None, ("--cp-mode", "alltoall", "--cp-sharding", "contiguous")),
+]
+# hybrid beyond the fast case: contiguous sharding, and Ulysses pairs x ring of 2 under cp x dp with ZeRO-3
+HYBRID = ("--cp-mode", "hybrid", "--cp-ulysses", "2")
+REFERENCE_EXTENDED = [
+    (4, 4, 1, False, 1, 1, None, (*HYBRID, "--cp-sharding", "contiguous")),
+    (8, 4, 1, False, 3, 1, None, HYBRID),
 ]
 REF_PARAMS = "nproc,cp,tp,sp,zero,accumulate,clip,extra"
 
@@ -75,11 +83,27 @@ def test_reference_model_matches_single_process(runs, nproc, cp, tp, sp, zero, a
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize(REF_PARAMS, REFERENCE_FULL)
+@pytest.mark.parametrize(
+    REF_PARAMS,
+    [pytest.param(*case, marks=pytest.mark.slow) for case in REFERENCE_FULL]
+    + [pytest.param(*case, marks=pytest.mark.extended) for case in REFERENCE_EXTENDED],
+)
 def test_reference_model_matches_single_process_full(runs, nproc, cp, tp, sp, zero, accumulate, clip, extra):
     check_reference(runs, nproc, cp, tp, sp, zero, accumulate, clip, extra)
+
+
+@pytest.mark.distributed
+@pytest.mark.extended
+@pytest.mark.timeout(400)
+def test_hybrid_attention_sends_the_bytes_the_planner_predicts():
+    """cp=4, Ulysses pairs x ring of 2: the sends and all-to-alls of a step within 5% of the formula."""
+    from benchmarks.cp_bytes_vs_theory import measure_mode, row_ratio
+
+    row = measure_mode("hybrid", "hybrid", 2)
+    assert row["ranks_agree"]
+    assert {op: m["group_sizes"] for op, m in row["measured"].items()} == {"all_to_all": [2], "send": [2]}
+    assert 0.95 <= row_ratio(row) <= 1.05, row
 
 
 # (nproc, cp, tp, sp, zero): Hugging Face LlamaForCausalLM in the obvious LightningModule

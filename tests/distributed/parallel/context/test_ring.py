@@ -26,13 +26,23 @@ def run_check(tmp_path, cp, dtypes=("float32", "bfloat16"), seq=None, timeout=15
 def check_records(records, cp):
     assert len(records) == len({(r["dtype"], r["mode"], r["causal"], r["zigzag"], r["hkv"]) for r in records})
     hq = records[0]["hq"]
-    assert {r["mode"] for r in records} == {"ring", "allgather"} | ({"alltoall"} if hq % cp == 0 else set())
+    expected = {"ring", "allgather"} | ({"alltoall"} if hq % cp == 0 else set()) | ({"hybrid"} if cp >= 4 else set())
+    assert {r["mode"] for r in records} == expected
     assert any(r["hkv"] < r["hq"] for r in records)  # GQA covered
     for r in records:
         for name, error in r["errors"].items():
             assert error <= TOLERANCE[r["dtype"]], f"{r}: {name} relative error {error:.2e}"
         if r["mode"] == "alltoall":
             continue  # no ring blocks: the work units below are the ring's
+        if r["mode"] == "hybrid":  # a ring over cp/2 groups, each block twice as long: the same work units
+            cp_ring = cp // 2
+            forward = [u["forward_units"] for u in r["units"]]
+            assert forward == [u["backward_units"] for u in r["units"]]
+            if not r["causal"]:
+                assert forward == [4 * cp_ring] * cp
+            elif r["zigzag"]:
+                assert forward == [4 + 2 * (cp_ring - 1)] * cp
+            continue
         if r["mode"] == "ring" and cp > 1:  # the overlap left over is measured on every rank
             assert all(u["forward_recv_wait_s"] >= 0 and u["backward_recv_wait_s"] >= 0 for u in r["units"])
         forward = [u["forward_units"] for u in r["units"]]
