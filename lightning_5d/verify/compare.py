@@ -123,5 +123,5 @@ def mismatch_message(failed: list[PieceResult], layout: str) -> str:
         f"module uses those columns (fused or interleaved q/k/v, a fused [gate|up], heads read from a config) "
         f"or the parallel version skips work the module does (an embedding that scales its output). Describe the "
         f"module with `model_plan` (docs/model_plans.md), use a layout without the dimension that splits it, or "
-        f"pass FiveDStrategy(verify='off') (l5d train: +parallel.verify=off) to train anyway on these numbers."
+        f"pass FiveDStrategy(verify='off') (l5d train: parallel.verify=off) to train anyway on these numbers."
     )

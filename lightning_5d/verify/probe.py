@@ -173,5 +173,5 @@ def run_probe(
             f"{tuple(batch['input_ids'].shape)}: {type(err).__name__}: {err}. The check calls the LightningModule's "
             f"forward with token ids (or, without one, the forward of the module holding the embedding, blocks and "
             f"head); give the LightningModule a `forward(input_ids)` that runs the model, or pass "
-            f"FiveDStrategy(verify='off') (l5d train: +parallel.verify=off) to train without the check."
+            f"FiveDStrategy(verify='off') (l5d train: parallel.verify=off) to train without the check."
         ) from err
