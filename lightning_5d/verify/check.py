@@ -157,16 +157,20 @@ class PlanCheck:
             # parameters for the backward it expects); training's first step would then compute
             # with, and put its gradients on, that stale gathered copy (seen under tp+SP x ZeRO-3).
             units = [m for m in module.modules() if isinstance(m, FSDPModule)]
-            if pp is not None and units:
-                # Under pp the schedule's forward also leaves the root's iteration state (the
-                # forward order FSDP2 records for the backward) behind: the first training step's
-                # gradients came out wrong under pp x ZeRO-3. Reset it as after a failed schedule.
+            if units:
+                # The probe's forward (finished, or stopped by an error) also leaves the root's
+                # iteration state (the forward order FSDP2 records for the backward) behind: the
+                # first training step's gradients came out wrong under pp x ZeRO-3, and after a
+                # probe that failed under ZeRO-3 alone. Reset it as after a failed schedule.
                 drop_held_gradients(units)
             for m in units:
                 m.reshard()
 
         for piece, live in held:
-            report.results.append(self._compare(piece, live, recorder, layout, tp, device))
+            try:
+                report.results.append(self._compare(piece, live, recorder, layout, tp, device))
+            except _NotComparable as why:
+                report.skipped.append(str(why))
         report.seconds = time.perf_counter() - start
         self.report = report
         failed = _everyone(report.results)
@@ -215,7 +219,9 @@ class PlanCheck:
             fp8 = precision is not None and getattr(precision, "fp8", None) is not None
             # FP8 linears compute in bf16 here: the check proves the layout; FP8's own error is the
             # numerics guard's job (FiveDPrecision(numerics_check_every=...)).
-            with precision.fp8_off() if fp8 else _nothing():
+            # The precision plugin's forward context (autocast under bf16-mixed), as in training.
+            context = precision.forward_context() if precision is not None else _nothing()
+            with context, precision.fp8_off() if fp8 else _nothing():
                 if pp is None:
                     one(batch)
                 else:
@@ -255,9 +261,12 @@ class PlanCheck:
         try:
             with torch.no_grad():
                 ref_out = reference(*args, **kwargs)
-        except Exception as err:  # the parallel piece ran on these inputs; the model's own could not
-            note = f"the unparallelized piece fails on the inputs the parallel one got: {type(err).__name__}: {err}"
-            return PieceResult(piece.name, piece.path, Difference(float("inf"), float("inf"), note), tolerance)
+        except Exception as err:
+            # The parallel piece ran on these inputs; the model's own cannot take them gathered
+            # (e.g. a rotary table the model cut to the local length under cp, passed as an
+            # argument). Not evidence of a wrong plan: the piece is listed as not compared.
+            raise _NotComparable(f"{piece.name} (its inputs do not gather to what the model passes: "
+                                 f"{type(err).__name__}: {err})") from err  # fmt: skip
         finally:
             inner_recorder.remove()
         residual = _first_tensor(args) if piece.kind == PieceKind.BLOCK else None
@@ -343,3 +352,7 @@ def _everyone(results: list[PieceResult]) -> list[PieceResult]:
         for r in rank_results or []:
             seen.setdefault(r.path, r)
     return list(seen.values())
+
+
+class _NotComparable(Exception):
+    """A piece whose reference cannot run on the gathered inputs (reported, not a mismatch)."""

@@ -140,11 +140,11 @@ def probe_call(module: nn.Module, plan: ModelPlan | None) -> Callable[[Tensor], 
     from lightning.pytorch import LightningModule
 
     if type(module).forward is not LightningModule.forward:
-        return module
+        return _token_call(module)
     path = _backbone_path(plan)
     if not path:
         return None
-    backbone = module.get_submodule(path)
+    backbone = _token_call(module.get_submodule(path))
 
     def call(ids: Tensor) -> Any:
         module.forward = lambda input_ids: backbone(input_ids)  # only for this call: an instance attribute
@@ -154,6 +154,17 @@ def probe_call(module: nn.Module, plan: ModelPlan | None) -> Callable[[Tensor], 
             del module.forward
 
     return call
+
+
+def _token_call(module: nn.Module) -> Callable[[Tensor], Any]:
+    """``module(ids)``, or ``module(input_ids=ids)`` for a forward whose arguments are keyword-only."""
+    import inspect
+
+    try:
+        inspect.signature(module.forward).bind(None)
+    except TypeError:
+        return lambda ids: module(input_ids=ids)
+    return module
 
 
 def run_probe(

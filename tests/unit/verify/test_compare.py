@@ -65,7 +65,7 @@ def test_message_names_piece_first_and_worst_output_and_the_way_out():
     assert "first wrong output in execution order: m.layers.3.attention:" in text
     assert "worst output: m.layers.3.attention.o_proj: relative error 1.3" in text
     assert "matching: m.layers.3.attention.q_proj" in text
-    assert "model_plan" in text and "verify='off'" in text and "+parallel.verify=off" in text
+    assert "model_plan" in text and "verify='off'" in text and "parallel.verify=off" in text
 
 
 def test_verify_setting_is_an_enum_with_a_clear_error():
