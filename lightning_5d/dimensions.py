@@ -203,8 +203,9 @@ class AppliedDimensions:
             self.zero.finish_gradient_sync()
 
     def sync_sequence_parallel(self, module: nn.Module, accumulating: bool) -> None:
-        # FSDP2 reduced this step's gradients; SP's norm weights still need their sum over tp.
-        if self.tp is not None and self.fsdp_units and self.tp.sequence_parallel and not accumulating:
+        # FSDP2 reduced this step's gradients; SP's norm weights and per-head q/k norms still
+        # need their sum over tp.
+        if self.tp is not None and self.fsdp_units and self.tp.has_partial_grads and not accumulating:
             self.tp.sync_sequence_parallel_grads(module)
 
     def pipeline_backward(self, module: nn.Module, accumulating: bool) -> None:
@@ -396,7 +397,7 @@ class Tensor(Step):
     def apply(self, ctx: ApplyContext) -> None:
         sp = ctx.config.sequence_parallel
         tp = TensorParallel(ctx.module, ctx.plan, ctx.mesh["tp"], sp)
-        if sp and ctx.config.zero != ZeroStage.PARAMETERS:
+        if tp.has_partial_grads and ctx.config.zero != ZeroStage.PARAMETERS:
             tp.register_sequence_parallel_grad_hooks(ctx.module)
         ctx.applied.tp = tp
 

@@ -326,6 +326,7 @@ class TensorParallel:
             # replicated input and, under SP, on the rank's sequence shard.
             if self.sequence_parallel:
                 self._mark_sequence_partial(block, plan.block_path(i), block_plan)
+            self._mark_head_partial(block, plan.block_path(i), block_plan)
         self._shard_vocab(root)
         if self.sequence_parallel and plan.num_blocks:
             first = root.get_submodule(plan.block_path(0))
@@ -353,6 +354,24 @@ class TensorParallel:
             row_bias = any(name == f"{path}.bias" for path in rows)
             if row_bias or not in_region:
                 self.sequence_partial.add(f"{prefix}.{name}")
+
+    def _mark_head_partial(self, block: nn.Module, prefix: str, block_plan) -> None:
+        """Parameters inside the attention region that tp did not cut, other than the output
+        projection's bias: a q/k norm applied per head (Qwen3, Gemma 3) sees only this rank's
+        heads, so its gradient is this rank's part of the sum over tp, as SP's norm weights are.
+        (Not the MLP region: an MoE there stays replicated and sees the whole input.)"""
+        inside = block_plan.attention.path
+        rows = [p.path for p in block_plan.attention.row]
+        for name, param in block.named_parameters():
+            in_region = name.startswith(inside + ".")
+            row_bias = any(name == f"{path}.bias" for path in rows)
+            if in_region and not row_bias and id(param) not in self._cut_of:
+                self.sequence_partial.add(f"{prefix}.{name}")
+
+    @property
+    def has_partial_grads(self) -> bool:
+        """Whether some replicated parameter's gradient must be summed over tp (SP's norms, q/k norms)."""
+        return bool(self.sequence_partial)
 
     def _shard_vocab(self, root: nn.Module) -> None:
         plan = self.plan
