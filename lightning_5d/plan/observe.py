@@ -138,13 +138,19 @@ def _eval(root: nn.Module) -> Iterator[None]:
 
 def _uses_positions(root: nn.Module, plan: ModelPlan) -> bool | None:
     """False only when nothing in the model could carry a position: no position embedding, no
-    tensor held outside the parameters (a RoPE cos/sin or freqs cache, a learned table), and no
-    ``torch.arange`` during a forward (positions built on the fly). None: it may use positions."""
+    tensor held outside the parameters (a RoPE cos/sin or freqs cache), no matrix parameter held
+    beside submodules (a learned table), and no ``torch.arange`` during a forward (positions
+    built on the fly). None: it may use positions."""
     if plan.position_embedding is not None:
         return True
     for module in root.modules():
         held = [*module.buffers(recurse=False), *(v for v in vars(module).values() if isinstance(v, Tensor))]
         if held:
+            return None
+        # A matrix parameter held next to submodules (``self.pos = nn.Parameter(...)`` on the
+        # model) may be a learned position table sliced by length: 4.9e-4 off under cp=2 when
+        # this was not asked. Layers (Linear, Embedding, norms) hold theirs without children.
+        if any(True for _ in module.children()) and any(p.dim() >= 2 for p in module.parameters(recurse=False)):
             return None
     watch = _Aranges()
     with _eval(root), torch.no_grad(), watch:
