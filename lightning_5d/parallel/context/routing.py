@@ -22,7 +22,7 @@ same weights; gradients are averaged over dp×cp by the data-parallel engine (th
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist

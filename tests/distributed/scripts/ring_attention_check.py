@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lightning_5d.config import SequenceSharding
+from lightning_5d.parallel.context.hybrid import hybrid_attention
 from lightning_5d.parallel.context.ring import contiguous_shard, ring_attention, zigzag_shard
 from lightning_5d.parallel.context.ulysses import alltoall_attention
 
