@@ -90,7 +90,7 @@ def check_fp32(runs, name, nproc, zero, model, dims):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.timeout(TIMEOUT + 60)
+@pytest.mark.timeout(1500)  # the first case selected trains the whole 16-process batch
 @pytest.mark.parametrize("name", list(FP32_FAST))
 def test_five_d_matches_single_process(runs, name):
     check_fp32(runs, name, *FP32_FAST[name])
