@@ -32,7 +32,6 @@ INTERLEAVED = ["--pp", "2", "--schedule", "interleaved_1f1b", "--virtual-stages"
 DENSE = ["--tp", "2", "--sp", "--cp", "2"]
 MOE = ["--tp", "2", "--cp", "2", "--ep", "2"]
 STEP_RTOL = 0.01  # mixed precision, per step (see above)
-TIMEOUT = 560  # 16 processes on 2 cores: ~90 s alone, several minutes beside other tests
 
 # name: (processes, zero, model, dims)
 FP32_FAST = {"dense_zero1": (16, 1, "tiny_deep", DENSE + INTERLEAVED)}
