@@ -24,9 +24,9 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import default_collate
 
-from tests_support import BATCH_SIZE, make_datamodule
+from hf_support import train_one_process
+from tests_support import BATCH_SIZE
 
 VOCAB, HIDDEN, HEADS, INTERMEDIATE, LAYERS = 256, 32, 4, 64, 2
 HEAD_DIM = HIDDEN // HEADS
@@ -187,18 +187,4 @@ def hand_reference_run(style: str, steps: int, data_ranks: int, batch_size: int 
     """One process, same init and the same global batches as a multi-process run with ``data_ranks``."""
     L.seed_everything(0, verbose=False)
     module = HandLM(style)
-    dm = make_datamodule(batch_size=batch_size)
-    dm.setup("fit")
-    dataset = dm.train_dataset
-    optimizer = module.configure_optimizers()
-    global_batch = batch_size * data_ranks
-    perm = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0)).tolist()
-    losses = []
-    for step in range(steps):
-        optimizer.zero_grad()
-        batch = default_collate([dataset[i] for i in perm[step * global_batch : (step + 1) * global_batch]])
-        loss = module.compute_loss(batch)
-        loss.backward()
-        losses.append(loss.item())
-        optimizer.step()
-    return losses
+    return train_one_process(module, steps, data_ranks, batch_size)

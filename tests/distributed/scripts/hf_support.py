@@ -65,14 +65,9 @@ class CausalLM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.0)
 
 
-def hf_reference_run(name: str, steps: int, data_ranks: int, dtype=torch.float32, layers: int = 2,
-                     batch_size: int = BATCH_SIZE, initial_state: dict | None = None):  # fmt: skip
-    """One process, same init (or ``initial_state`` for the HF model) and the same global
-    batches as the multi-process run."""
-    L.seed_everything(0, verbose=False)
-    module = CausalLM(name, layers).to(dtype)
-    if initial_state is not None:
-        module.model.load_state_dict(initial_state)
+def train_one_process(module, steps: int, data_ranks: int, batch_size: int = BATCH_SIZE) -> list[float]:
+    """``steps`` of ``module.compute_loss`` on the global batches a run with ``data_ranks`` data
+    ranks sees (the first epoch's order, seed 0); the loss of each."""
     dm = make_datamodule(batch_size=batch_size)
     dm.setup("fit")
     dataset = dm.train_dataset
@@ -87,4 +82,16 @@ def hf_reference_run(name: str, steps: int, data_ranks: int, dtype=torch.float32
         loss.backward()
         losses.append(loss.item())
         optimizer.step()
+    return losses
+
+
+def hf_reference_run(name: str, steps: int, data_ranks: int, dtype=torch.float32, layers: int = 2,
+                     batch_size: int = BATCH_SIZE, initial_state: dict | None = None):  # fmt: skip
+    """One process, same init (or ``initial_state`` for the HF model) and the same global
+    batches as the multi-process run."""
+    L.seed_everything(0, verbose=False)
+    module = CausalLM(name, layers).to(dtype)
+    if initial_state is not None:
+        module.model.load_state_dict(initial_state)
+    losses = train_one_process(module, steps, data_ranks, batch_size)
     return losses, module.state_dict()
