@@ -3,35 +3,34 @@
 The data path (docs/architecture.md): config -> mesh -> discover -> apply the steps below,
 in order -> step -> reduce -> checkpoint. ``FiveDStrategy.setup`` calls
 :func:`apply_dimensions` once per module; what the steps build is one
-:class:`AppliedDimensions`, which the strategy's step, backward, clipping and checkpoint
-hooks ask instead of knowing each dimension.
+:class:`~lightning_5d.applied.AppliedDimensions` (``applied.py``), which the strategy's
+step, backward, clipping and checkpoint hooks ask instead of knowing each dimension.
 
 :data:`STEPS` is torchtitan's order: prepare (precision cast, rank 0's weights everywhere)
--> discover (the ModelPlan, if an active step reads it) -> precision (FP8 linears) ->
-tensor -> expert -> context -> activation checkpointing -> pipeline -> data (ZeRO-0..2 or
-FSDP2). Every step has a name and the same small interface: ``wanted`` (does this layout
+-> discover (the ModelPlan, if an active step reads it) -> snapshot (weightless copies for
+verify) -> precision (FP8 linears) -> tensor -> expert -> context -> activation
+checkpointing -> pipeline -> data (ZeRO-0..2 or FSDP2; a meta-built model is materialized
+here) -> verify. Every step has a name and the same small interface: ``wanted`` (does this layout
 use it), ``needs_plan`` (does it read the discovered ModelPlan), ``check`` (refusals; all
 active steps check before any applies, so a refused layout never half-changes the module)
 and ``apply`` (changes the module, records its runtime object on ``ctx.applied``). Adding
-a step (a sixth dimension, a verification after "data", materializing from the meta
-device) is one :class:`Step` subclass and one entry in the list.
+a step (a sixth dimension) is one :class:`Step` subclass and one entry in the list.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_5d.applied import AppliedDimensions
 from lightning_5d.config import (
     ActivationCheckpointing,
     Layout,
-    LayoutError,
     LoadBalancing,
     ParallelConfig,
     PipelineSchedule,
@@ -47,204 +46,19 @@ from lightning_5d.layout_rules import (
 )
 from lightning_5d.mesh import ParallelMesh
 from lightning_5d.parallel.activation_checkpoint import apply_activation_checkpointing
-from lightning_5d.parallel.context import ContextParallel, ContextParallelError
+from lightning_5d.parallel.context import ContextParallel
 from lightning_5d.parallel.data import DataGroups, ZeroDataParallel, ZeroSet, apply_fsdp, broadcast_module
-from lightning_5d.parallel.data.fsdp import apply_expert_fsdp, apply_fp8_gather_units, set_gradient_sync
+from lightning_5d.parallel.data.fsdp import apply_expert_fsdp, apply_fp8_gather_units
 from lightning_5d.parallel.expert import ExpertParallel, ExpertParallelError
-from lightning_5d.parallel.grad_norm import clip_grad_norm_
-from lightning_5d.parallel.pipeline import PipelineLoop, PipelineMode, PipelineParallel
+from lightning_5d.parallel.pipeline import PipelineLoop, PipelineParallel
 from lightning_5d.parallel.pipeline.fsdp import adopt_stage_units
 from lightning_5d.parallel.pipeline.loop import check_pipeline_supported
 from lightning_5d.parallel.tensor import TensorParallel
-from lightning_5d.parallel.tensor.vocab import loss_parallel_region
 from lightning_5d.plan import describe, discover
 from lightning_5d.plan.blocks import ModelMappingError, find_blocks, require_blocks
 from lightning_5d.plan.model_plan import ModelPlan
 from lightning_5d.precision import FiveDPrecision, PrecisionError
 from lightning_5d.verify import PlanCheck
-
-
-@dataclass
-class AppliedDimensions:
-    """What the steps built for one module, and what that adds to every training step."""
-
-    module: nn.Module | None = None
-    tp: TensorParallel | None = None
-    ep: ExpertParallel | None = None
-    cp: ContextParallel | None = None
-    pp: PipelineParallel | None = None
-    pp_loop: PipelineLoop | None = None
-    zero: ZeroSet | None = None  # ZeRO-0..2 engines; None under ZeRO-3 or without data-parallel peers
-    fsdp_units: list = field(default_factory=list)  # ZeRO-3 (FSDP2) units
-    _tp_sharded: set[int] = field(default_factory=set)  # ids of parameters (and masters) clipping sees
-    _experts: set[int] = field(default_factory=set)
-
-    # ------------------------------------------------------------------ re-entry
-    def already_applied(self, module: nn.Module) -> bool:
-        """Whether ``module`` already runs under these dimensions (fit after validate, a second fit).
-
-        The same module: the ZeRO engines wake up again, nothing is applied twice. Another module
-        is refused once a dimension holds state of the first (stages, ZeRO hooks, FSDP units);
-        without such state it is simply parallelized afresh.
-        """
-        if self.module is None:
-            return False
-        if module is self.module:
-            if self.zero is not None:
-                self.zero.active = True
-            return True
-        if self.pp is not None or self.zero is not None or self.fsdp_units:
-            raise LayoutError(
-                "this FiveDStrategy already applied its dimensions to another module (pipeline stages, ZeRO "
-                "hooks or FSDP units belong to it); use a new Trainer (and strategy) for a different module."
-            )
-        return False
-
-    def check_predict(self) -> None:
-        if self.cp is not None:
-            raise ContextParallelError(
-                f"predict under cp={self.cp.size} would return each rank's sequence shard; run predict with a "
-                f"FiveDStrategy with cp=1 (checkpoints hold full tensors and load there unchanged)."
-            )
-        if self.ep is not None and self.ep.ep > 1:
-            raise ExpertParallelError(
-                f"predict under ep={self.ep.ep}: Lightning's predict sampler may give data ranks different numbers "
-                f"of batches, and a rank that runs out would leave its ep peers waiting in the all-to-all. Run "
-                f"predict with ep=1 (weights-only checkpoints hold every expert and load there unchanged)."
-            )
-
-    def deactivate(self) -> None:
-        if self.zero is not None:
-            self.zero.active = False  # hooks stay for a later fit/validate with this Trainer
-
-    # ------------------------------------------------------------------ checkpoint
-    @property
-    def splits(self) -> list:
-        """tp, ep and pp in that order: each turns full tensors into its pieces and back."""
-        return [x for x in (self.tp, self.ep, self.pp) if x is not None]
-
-    # ------------------------------------------------------------------ step
-    @contextmanager
-    def step_region(self, module: nn.Module) -> Iterator[None]:
-        with ExitStack() as stack:
-            if self.tp is not None:  # the user's F.cross_entropy on vocab-sharded logits
-                stack.enter_context(loss_parallel_region())
-            if self.cp is not None:  # inside TP's: sees F.cross_entropy first, makes it sequence-global
-                stack.enter_context(self.cp.step_region(module))
-            yield
-
-    def run_step(self, module: nn.Module, step: Callable[..., Any], args: tuple, kwargs: dict, keep_shard: bool) -> Any:
-        """The user's step on this rank's sequence shard; ``keep_shard`` leaves it current for backward."""
-        cp = self.cp
-        if cp is not None and args:
-            args = (cp.begin(args[0]), *args[1:])
-        if self.fsdp_units and self.fsdp_units[-1] is module:
-            step = _through_forward(module, step)
-        try:
-            with self.step_region(module):
-                out = step(*args, **kwargs)
-        except BaseException:
-            if cp is not None:
-                cp.end()
-            raise
-        if cp is not None and not keep_shard:
-            cp.end()
-        return out
-
-    def pipeline_step(
-        self, module: nn.Module, mode: PipelineMode, step: Callable[..., Any], args: tuple, kwargs: dict,
-        device: torch.device,
-    ) -> Any:  # fmt: skip
-        """One Lightning batch as one pipeline run; the user's step runs per microbatch on each stage."""
-        assert self.pp_loop is not None
-        batch, rest = args[0], args[1:]
-        return self.pp_loop.run(
-            mode,
-            lambda mb: step(mb, *rest, **kwargs),
-            batch,
-            zero=self.zero,
-            fsdp_units=self.fsdp_units,
-            cp=self.cp,
-            step_region=lambda: self.step_region(module),
-            device=device,
-        )
-
-    @contextmanager
-    def expert_step(self, module: Any) -> Iterator[None]:
-        """Around a training step under expert dispatch: load counts and the aux loss for this step."""
-        if self.ep is None:
-            yield
-            return
-        # The aux loss enters the gradient as the user's loss does: after Lightning's 1/accumulate.
-        self.ep.aux_scale = 1.0 / module.trainer.accumulate_grad_batches
-        self.ep.start_step()
-        yield
-        self.ep.after_step(module)
-
-    # ------------------------------------------------------------------ reduce
-    @contextmanager
-    def gradient_sync_paused(self) -> Iterator[None]:
-        if self.zero is not None:
-            self.zero.require_sync = False
-        set_gradient_sync(self.fsdp_units, False)
-        try:
-            yield
-        finally:
-            if self.zero is not None:
-                self.zero.require_sync = True
-            set_gradient_sync(self.fsdp_units, True)
-
-    def start_backward(self) -> None:
-        if self.zero is not None:
-            self.zero.start_backward()
-
-    def finish_gradient_sync(self) -> None:
-        if self.zero is not None:
-            self.zero.finish_gradient_sync()
-
-    def sync_sequence_parallel(self, module: nn.Module, accumulating: bool) -> None:
-        # FSDP2 reduced this step's gradients; SP's norm weights and per-head q/k norms still
-        # need their sum over tp.
-        if self.tp is not None and self.fsdp_units and self.tp.has_partial_grads and not accumulating:
-            self.tp.sync_sequence_parallel_grads(module)
-
-    def pipeline_backward(self, module: nn.Module, accumulating: bool) -> None:
-        """The schedule already ran the backward: restore its gradients and reduce them all now."""
-        assert self.pp_loop is not None
-        self.start_backward()  # as before any backward: it may clear the module's gradients
-        self.pp_loop.restore_gradients()
-        self.finish_gradient_sync()  # no hook fired during the schedule: reduce all of them now
-        self.sync_sequence_parallel(module, accumulating)  # the schedule's run reduced them (pipeline/fsdp.py)
-
-    # ------------------------------------------------------------------ clip
-    @property
-    def clips_globally(self) -> bool:
-        """Lightning's clipping sees only this rank's pieces under tp, pp or ep; ours takes the global norm."""
-        return self.tp is not None or self.pp is not None or self.ep is not None
-
-    def index_clipping(self, module: nn.Module, precision: FiveDPrecision | None) -> None:
-        """Which of the parameters the optimizers see (ZeRO and fp32 master slices included) are tp
-        shards or experts: their norms sum over tp / the ep group."""
-        names = {id(p): n for n, p in module.named_parameters()}
-        if self.zero is not None:
-            names.update(self.zero.master_names())
-        if precision is not None:
-            names.update(precision.master_names(module))
-        self._tp_sharded = {i for i, n in names.items() if self.tp is not None and self.tp.is_sharded(n)}
-        self._experts = {i for i, n in names.items() if self.ep is not None and self.ep.is_expert(n)}
-
-    def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        sharded, experts = self._tp_sharded, self._experts
-        clip_grad_norm_(
-            params,
-            float(clip_val),
-            lambda p: id(p) in sharded,
-            self.tp.group if self.tp is not None else None,
-            stage_group=self.pp.group if self.pp is not None else None,
-            is_expert=lambda p: id(p) in experts,
-            expert_group=self.ep.group if self.ep is not None else None,
-        )
 
 
 @dataclass
@@ -605,30 +419,3 @@ def check_precision_supported(precision: FiveDPrecision, combination: Combinatio
             f"expert load twice; set numerics_check_every=0 there, or check on a pp=1 layout without "
             f"expert dispatch."
         )
-
-
-def _through_forward(module: nn.Module, step: Callable[..., Any]) -> Callable[..., Any]:
-    """``step`` called from inside the LightningModule's ``__call__`` (Lightning's forward
-    redirection), for a module that is itself the outermost ZeRO-3 unit: FSDP2 gathers the
-    parameters it holds directly (embedding, norm, head) in its forward hooks."""
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        own = vars(module).get("forward")  # an instance-level forward, if the module had one
-
-        def restore() -> None:
-            if own is None:
-                vars(module).pop("forward", None)
-            else:
-                module.forward = own
-
-        def forward(*a: Any, **k: Any) -> Any:
-            restore()  # the step's own self(...) calls reach the real forward
-            return step(*a, **k)
-
-        module.forward = forward
-        try:
-            return module(*args, **kwargs)
-        finally:
-            restore()
-
-    return run

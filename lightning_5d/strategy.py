@@ -43,7 +43,8 @@ from lightning_5d.config import (
     ZeroStage,
     ineffective_settings,
 )
-from lightning_5d.dimensions import AppliedDimensions, apply_dimensions, combination_for
+from lightning_5d.applied import AppliedDimensions
+from lightning_5d.dimensions import apply_dimensions, combination_for
 from lightning_5d.fp8.numerics_check import log_numerics, loss_without_fp8, numerics_check_due
 from lightning_5d.layout_rules import validate_early
 from lightning_5d.materialize import InitLog, MetaBuild

@@ -7,7 +7,8 @@ import pytest
 from torch import nn
 
 from lightning_5d.config import Layout, LayoutError, ParallelConfig
-from lightning_5d.dimensions import STEPS, AppliedDimensions, Step, apply_dimensions, combination_for
+from lightning_5d.applied import AppliedDimensions
+from lightning_5d.dimensions import STEPS, Step, apply_dimensions, combination_for
 
 
 def test_the_steps_run_in_torchtitan_order():
