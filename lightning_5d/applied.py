@@ -146,7 +146,12 @@ class AppliedDimensions:
 
     # ------------------------------------------------------------------ reduce
     @contextmanager
-    def gradient_sync_paused(self) -> Iterator[None]:
+    def gradient_sync_paused(self, precision: FiveDPrecision | None) -> Iterator[None]:
+        """No gradient reduction inside (micro-batches that only accumulate). With fp32 accumulation
+        every micro-batch is still reduced and summed in fp32 (ZeRO-3: in FSDP2's fp32 shards)."""
+        if precision is not None and precision.fp32_accumulation:
+            yield
+            return
         if self.zero is not None:
             self.zero.require_sync = False
         set_gradient_sync(self.fsdp_units, False)

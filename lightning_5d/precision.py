@@ -26,7 +26,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, fields
 from enum import Enum
 from functools import partial
-from typing import Any, Callable, Generator, Mapping
+from typing import Any, Callable, Generator, Mapping, Sequence
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
@@ -313,6 +313,23 @@ class FiveDPrecision(Precision):
             self._masters[id(optimizer)] = masters
         else:
             masters.remove()
+
+    def attach_masters(
+        self, optimizers: Sequence[torch.optim.Optimizer], automatic_optimization: bool, zero: int
+    ) -> None:
+        """fp32 masters for the bf16 parameters ``optimizers`` hold (those ZeRO did not shard already);
+        a later fit's new optimizers replace the earlier ones."""
+        self.reset_masters()
+        for optimizer in optimizers:
+            self.add_master_weights(optimizer)
+        held = [o for o in optimizers if self.masters_of(o) is not None]
+        if len(optimizers) > 1 and held and not automatic_optimization:
+            raise PrecisionError(
+                f"manual optimization with {len(optimizers)} optimizers under bf16 mixed precision at "
+                f"zero={zero}: toggle_optimizer switches requires_grad on the fp32 masters, not on the bf16 "
+                f"parameters the model computes with, so one optimizer's backward would leave gradients for the "
+                f"other. Use zero=1, 2 or 3 (their masters are the sharded parameters), or precision='32-true'."
+            )
 
     def masters_of(self, optimizer: torch.optim.Optimizer) -> MasterWeights | None:
         return self._masters.get(id(getattr(optimizer, "_optimizer", optimizer)))

@@ -1,23 +1,21 @@
-"""``FiveDStrategy``: Lightning lifecycle glue. Every real job is delegated:
-layout validation to ``config``, ranks and groups to ``mesh``, sharding to ``parallel``.
+"""``FiveDStrategy``: Lightning lifecycle glue. Every real job is delegated: argument checks to
+``strategy_args`` (over ``config``), ranks and groups to ``mesh``, the dimensions to ``dimensions``
+(their order) and ``applied`` (their part in each step), checkpoints to ``checkpoint.strategy_hooks``.
 """
 
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Generator, Mapping
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _init_dist_connection
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
@@ -25,61 +23,25 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_5d.auto_layout import planned_config
-from lightning_5d.checkpoint.pretrained import PretrainedLoad, load_pretrained
-from lightning_5d.checkpoint.strategy_hooks import CheckpointHooks
-from lightning_5d.checkpoint.strategy_io import CheckpointFormat, CheckpointWrite, StrategyCheckpoints
-from lightning_5d.config import (
-    ActivationCheckpointing,
-    Layout,
-    LayoutError,
-    ParallelConfig,
-    StrategyOptions,
-    VerifyMode,
-    ZeroStage,
-    ineffective_settings,
-)
 from lightning_5d.applied import AppliedDimensions
+from lightning_5d.auto_layout import planned_config
+from lightning_5d.checkpoint.strategy_hooks import CheckpointHooks
+from lightning_5d.checkpoint.strategy_io import CheckpointFormat, CheckpointWrite
+from lightning_5d.config import ActivationCheckpointing, Layout, ParallelConfig, VerifyMode, ZeroStage
 from lightning_5d.dimensions import apply_dimensions, combination_for
 from lightning_5d.fp8.numerics_check import log_numerics, loss_without_fp8, numerics_check_due
-from lightning_5d.layout_rules import validate_early
 from lightning_5d.materialize import InitLog, MetaBuild
 from lightning_5d.mesh import ParallelMesh
 from lightning_5d.parallel.context import ContextParallel
 from lightning_5d.parallel.expert import ExpertParallel
 from lightning_5d.parallel.pipeline import PipelineMode, PipelineParallel
-from lightning_5d.precision import FiveDPrecision, PrecisionError
+from lightning_5d.precision import FiveDPrecision
 from lightning_5d.process_exit import leave_together_at_exit, mark_failed
-
-
-def _sizes_text(config: ParallelConfig) -> str:
-    return ", ".join(f"{d}={getattr(config, d)}" for d in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep"))
-
-
-def _parallel_config(
-    config: ParallelConfig | None, given: dict[str, Any], optional: dict[str, Any], **settings: Any
-) -> ParallelConfig:
-    """``config`` as given, or one built from the constructor's sizes and settings (an optional
-    setting left at None keeps ParallelConfig's default)."""
-    if config is None:
-        return ParallelConfig(**given, **settings, **{k: v for k, v in optional.items() if v is not None})
-    if not isinstance(config, ParallelConfig):
-        raise LayoutError(f"config={config!r} is not valid; allowed: a ParallelConfig, or None.")
-    return config
-
-
-def _warn_ineffective(config: ParallelConfig) -> None:
-    ineffective = ineffective_settings(config)
-    if ineffective:
-        rank_zero_warn(
-            f"FiveDStrategy: these settings have no effect under the layout {_sizes_text(config)}: "
-            + "; ".join(ineffective),
-            category=UserWarning,
-        )
+from lightning_5d.strategy_args import strategy_args
 
 
 class FiveDStrategy(CheckpointHooks, ParallelStrategy):
@@ -123,50 +85,31 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        # Every argument's type and range is declared in lightning_5d.config (ParallelConfig,
-        # StrategyOptions); both raise LayoutError naming the field and its allowed values.
-        self._take_options(
-            StrategyOptions(
-                checkpoint_format=checkpoint_format,
-                checkpoint_write=checkpoint_write,
-                keep_last_k=keep_last_k,
-                pretrained=pretrained,
-                pretrained_prefix=pretrained_prefix,
-                process_group_backend=process_group_backend,
-                timeout=timeout,
-            )
-        )
-        sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp, "pp": pp, "ep": ep}
-        given = {k: v for k, v in {**sizes, "zero": zero}.items() if v is not None}
-        # No size and no ZeRO stage given (as with the string "5d"): the planner decides at setup.
-        self._plan_layout = config is None and not given
-        optional = {"rank_order": rank_order, "pipeline": pipeline, "context": context, "expert": expert}
-        config = _parallel_config(
-            config, given, optional, activation_checkpointing=activation_checkpointing,
-            sequence_parallel=sequence_parallel, model_plan=model_plan, bucket_size_mb=bucket_size_mb,
-            verify=verify,
+        # Checked and normalised before any state is set: a bad value raises LayoutError naming the field.
+        args = strategy_args(
+            config,
+            layout=dict(
+                dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp, ep=ep, zero=zero,
+                activation_checkpointing=activation_checkpointing, sequence_parallel=sequence_parallel,
+                model_plan=model_plan, rank_order=rank_order, bucket_size_mb=bucket_size_mb, pipeline=pipeline,
+                context=context, expert=expert, verify=verify,
+            ),
+            options=dict(
+                checkpoint_format=checkpoint_format, checkpoint_write=checkpoint_write, keep_last_k=keep_last_k,
+                pretrained=pretrained, pretrained_prefix=pretrained_prefix,
+                process_group_backend=process_group_backend, timeout=timeout,
+            ),
         )  # fmt: skip
-        validate_early(config)
-        if not self._plan_layout:  # a planned layout's sizes are not known yet
-            _warn_ineffective(config)
-        self.config = config
+        self.config, self._plan_layout = args.config, args.plan_layout
+        self._process_group_backend, self._timeout = args.options.process_group_backend, args.options.timeout
+        self._take_checkpoint_options(args.options)
         self._layout: Layout | None = None
         self._mesh: ParallelMesh | None = None
         self._applied = AppliedDimensions()  # what lightning_5d.dimensions built, once setup ran
         self._in_backward_sync_block = False
-        self.pretrained_load: PretrainedLoad | None = None  # what was loaded: names, prefix, groups
         # Models built on the meta device: what their construction recorded, materialized per shard.
         self._meta = MetaBuild(InitLog())
         self.num_nodes = 1
-
-    def _take_options(self, options: StrategyOptions) -> None:
-        self._process_group_backend = options.process_group_backend
-        self._timeout = options.timeout
-        self._checkpoints = StrategyCheckpoints(
-            self, options.checkpoint_format, options.checkpoint_write, options.keep_last_k
-        )
-        # Weights to start from (a plain or Hugging Face state dict), read once after parallelizing.
-        self._pretrained = (options.pretrained, options.pretrained_prefix) if options.pretrained is not None else None
 
     @property
     def precision_plugin(self) -> Precision:
@@ -226,13 +169,6 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
         """The sequence routing under cp > 1 (its ``stats`` count ring-attention work), else None."""
         return self._applied.cp
 
-    # The applied dimensions under the names checkpoint/strategy_io.py reads.
-    _tp = property(lambda self: self._applied.tp)
-    _ep = property(lambda self: self._applied.ep)
-    _pp = property(lambda self: self._applied.pp)
-    _zero = property(lambda self: self._applied.zero)
-    _fsdp_units = property(lambda self: self._applied.fsdp_units)
-
     @property
     def zero_stage(self) -> ZeroStage:
         return self.config.zero
@@ -257,16 +193,6 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # tp/cp/pp peers must read the same samples: replicas are the data ranks only.
         return {"num_replicas": self.mesh.data_size, "rank": self.mesh.data_rank}
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # optimizer states only exist in their sharded form after setup
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return True  # through load_optimizer_state_dict below, after setup sharded them
 
     @override
     def _configure_launcher(self) -> None:
@@ -296,18 +222,13 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
             # own call later finds it built), so the planner counts its parameters, not zero.
             self._meta.build_now(self.lightning_module, self.tensor_init_context)
             # Rank 0 decides for everyone: ranks on hosts with different memory could disagree.
-            self.config = self.broadcast(
-                planned_config(
-                    self.config,
-                    self.lightning_module,
-                    world_size,
-                    precision=self.precision_plugin.precision,
-                    device=self.root_device,
-                    local_processes=self.num_processes,
-                )
-                if self.global_rank == 0
-                else None
-            )
+            planned = None
+            if self.global_rank == 0:
+                planned = planned_config(
+                    self.config, self.lightning_module, world_size, precision=self.precision_plugin.precision,
+                    device=self.root_device, local_processes=self.num_processes,
+                )  # fmt: skip
+            self.config = self.broadcast(planned)
             self._layout = self.config.resolve(world_size)
         if self._mesh is None or self._mesh.layout != self._layout:
             self._mesh = ParallelMesh(self._layout, self.root_device.type)
@@ -331,23 +252,16 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self._meta.to_device(self.model, self.root_device) if self._meta.active else self.model_to_device()
         self._parallelize(self.lightning_module)
-        if self._pretrained is not None:
-            # Each rank reads only its own pieces; a ckpt_path given to fit is restored after
-            # setup and so still wins over these weights.
-            path, prefix = self._pretrained
-            self.pretrained_load = load_pretrained(self, path, prefix=prefix)
-            self._pretrained = None  # a later fit/validate on this Trainer keeps the trained weights
+        self._load_pretrained()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if self._applied.zero is not None:
                 for optimizer in self.optimizers:
                     self._applied.zero.shard_optimizer(optimizer)
-            if precision is not None:  # bf16 parameters the optimizer still holds get fp32 masters
-                precision.reset_masters()  # a later fit's new optimizers replace the earlier ones
-                for optimizer in self.optimizers:
-                    precision.add_master_weights(optimizer)
-                self._check_manual_optimizers(precision)
+            if precision is not None:  # bf16 parameters the optimizers still hold get fp32 masters
+                automatic = self.lightning_module.automatic_optimization
+                precision.attach_masters(self.optimizers, automatic, int(self.zero_stage))
         self.setup_precision_plugin()
         if self._applied.clips_globally:
             self._applied.index_clipping(self.lightning_module, precision)
@@ -391,11 +305,9 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Skip gradient reduction on micro-batches that only accumulate."""
-        precision = self._five_d_precision
-        # With fp32 accumulation every micro-batch is reduced and summed in fp32 (ZeRO-3: in FSDP2's fp32
-        # shards); the flag still marks the window, so SP's once-per-step sum over tp waits for its end.
-        fp32_accumulation = precision is not None and precision.fp32_accumulation
-        with nullcontext() if fp32_accumulation else self._applied.gradient_sync_paused():
+        # The flag marks the window even where gradients are still reduced (fp32 accumulation), so
+        # SP's once-per-step sum over tp waits for its end.
+        with self._applied.gradient_sync_paused(self._five_d_precision):
             self._in_backward_sync_block = True
             try:
                 yield
@@ -426,9 +338,6 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
         self._applied.sync_sequence_parallel(self.lightning_module, self._in_backward_sync_block)
 
     # ------------------------------------------------------------------ steps
-    def _run_step(self, step: Callable[..., Any], args: tuple, kwargs: dict, keep_shard: bool = False) -> Any:
-        return self._applied.run_step(self.lightning_module, step, args, kwargs, keep_shard)
-
     def _pipeline_step(self, mode: PipelineMode, step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         return self._applied.pipeline_step(self.lightning_module, mode, step, args, kwargs, self.root_device)
 
@@ -438,17 +347,6 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         self._applied.pipeline_backward(module, self._in_backward_sync_block)
         return self.precision_plugin.post_backward(closure_loss, module)
-
-    def _check_manual_optimizers(self, precision: FiveDPrecision) -> None:
-        held = [o for o in self.optimizers if precision.masters_of(o) is not None]
-        if len(self.optimizers) > 1 and held and not self.lightning_module.automatic_optimization:
-            raise PrecisionError(
-                f"manual optimization with {len(self.optimizers)} optimizers under bf16 mixed precision at "
-                f"zero={int(self.config.zero)}: toggle_optimizer switches requires_grad on the fp32 masters, not "
-                f"on the bf16 parameters the model computes with, so one optimizer's backward would leave "
-                f"gradients for the other. Use zero=1, 2 or 3 (their masters are the sharded parameters), or "
-                f"precision='32-true'."
-            )
 
     @property
     def _grad_scaler(self):
@@ -478,9 +376,9 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
         reference = None
         if numerics_check_due(precision, module.trainer, automatic):
             # The check's forward runs first: under cp the real step's shard must stay active until its backward.
-            check = lambda: self._run_step(step, args, kwargs)  # noqa: E731
+            check = lambda: self._applied.run_step(module, step, args, kwargs, keep_shard=False)  # noqa: E731
             reference = loss_without_fp8(precision, module, check, self.root_device)
-        out = self._run_step(step, args, kwargs, keep_shard=automatic)
+        out = self._applied.run_step(module, step, args, kwargs, keep_shard=automatic)
         if reference is not None:
             log_numerics(precision, module, out, reference, warn=self.is_global_zero)
         return out
@@ -496,7 +394,7 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
     def _eval_step(self, step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         if self._applied.pp is not None:
             return self._pipeline_step(PipelineMode.EVAL, step, args, kwargs)
-        return self._run_step(step, args, kwargs)
+        return self._applied.run_step(self.lightning_module, step, args, kwargs, keep_shard=False)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
