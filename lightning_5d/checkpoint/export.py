@@ -33,6 +33,10 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor, nn
 
+from lightning_5d.checkpoint.errors import CheckpointError
+from lightning_5d.checkpoint.files import latest_checkpoint
+from lightning_5d.checkpoint.sharded import is_sharded_checkpoint, read_layout, read_model_state
+
 HF_EXTRA = "pip install 'lightning-5d[hf]'"
 HF_WEIGHTS = "model.safetensors"
 HF_CONFIG = "config.json"
@@ -106,18 +110,11 @@ def hf_info(module: nn.Module) -> dict[str, Any] | None:
 
 
 # ---------------------------------------------------------------------- reading
-def _checkpoint_api():
-    from lightning_5d import checkpoint as ckpt
-
-    return ckpt
-
-
 def checkpoint_hf(path: str | os.PathLike) -> dict[str, Any] | None:
     """The ``"hf"`` entry a checkpoint recorded (layout.json of a sharded one; a full file's ``"layout"``)."""
-    ckpt = _checkpoint_api()
     path = Path(path)
-    if ckpt.is_sharded_checkpoint(path):
-        layout = ckpt.read_layout(path)
+    if is_sharded_checkpoint(path):
+        layout = read_layout(path)
     else:
         try:
             whole = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -131,14 +128,13 @@ def checkpoint_hf(path: str | os.PathLike) -> dict[str, Any] | None:
 def resolve_checkpoint(path: Path) -> Path:
     """``path`` itself, or for a folder of checkpoints the one its ``latest`` names (falling back
     past a damaged one to the newest intact checkpoint of the same run)."""
-    ckpt = _checkpoint_api()
     if not path.exists():
-        raise ckpt.CheckpointError(f"checkpoint {path} does not exist.")
-    if path.is_dir() and not ckpt.is_sharded_checkpoint(path):
-        latest = ckpt.latest_checkpoint(path)
+        raise CheckpointError(f"checkpoint {path} does not exist.")
+    if path.is_dir() and not is_sharded_checkpoint(path):
+        latest = latest_checkpoint(path)
         if latest is not None:
             return latest
-        raise ckpt.CheckpointError(
+        raise CheckpointError(
             f"{path} is a directory but neither a complete lightning_5d sharded checkpoint (no COMPLETE marker or "
             f"layout.json) nor a folder of complete checkpoints: pass a checkpoint written by trainer.save_checkpoint "
             f"(a directory or a .ckpt file) or the folder that holds them (e.g. <run dir>/checkpoints)."
@@ -246,7 +242,6 @@ def export_checkpoint(
     ``hf`` without a recorded Hugging Face model), ``FileExistsError`` (``out`` exists and not
     ``overwrite``), ``ImportError`` (safetensors missing); nothing is written then.
     """
-    api = _checkpoint_api()
     given, out = Path(ckpt), Path(out)
     ckpt = resolve_checkpoint(given)
     hf = checkpoint_hf(ckpt)
@@ -268,9 +263,9 @@ def export_checkpoint(
     if prefix is None:
         prefix = hf["prefix"] if hf is not None else ""
     try:
-        model_state = api.read_model_state(ckpt)
+        model_state = read_model_state(ckpt)
     except KeyError as err:  # a readable torch file that is not a Lightning checkpoint
-        raise api.CheckpointError(f"{ckpt} is not a Lightning checkpoint: it has no {err} entry.") from err
+        raise CheckpointError(f"{ckpt} is not a Lightning checkpoint: it has no {err} entry.") from err
     state, left_out = select_tensors(model_state, prefix)
     if not state:
         raise ValueError(
@@ -327,8 +322,6 @@ def register(subparsers: Any) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from lightning_5d.checkpoint import CheckpointError
-
     try:
         result = export_checkpoint(args.ckpt, args.out, args.format, args.prefix, overwrite=args.overwrite)
     except ImportError as err:

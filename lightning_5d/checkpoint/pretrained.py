@@ -26,7 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_5d.checkpoint.errors import CheckpointError
 from lightning_5d.checkpoint.export import HF_WEIGHTS, hf_info, require_safetensors
+from lightning_5d.checkpoint.sharded import is_sharded_checkpoint
 
 HF_INDEX = "model.safetensors.index.json"
 BIN_WEIGHTS = "pytorch_model.bin"
@@ -35,8 +37,6 @@ _DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16
 
 
 def _checkpoint_error(message: str) -> Exception:
-    from lightning_5d.checkpoint import CheckpointError
-
     return CheckpointError(message)
 
 
@@ -137,8 +137,6 @@ def open_state(path: str | os.PathLike) -> StateSource:
         else:
             source.add_torch(path)
         return source
-    from lightning_5d.checkpoint import is_sharded_checkpoint
-
     if is_sharded_checkpoint(path):
         raise _checkpoint_error(
             f"{path} is a lightning_5d sharded checkpoint: resume it with Trainer.fit(ckpt_path=...), or turn it into "

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from lightning_5d.checkpoint.errors import CheckpointError
 from lightning_5d.checkpoint.files import COMPLETE, damage, stamp_files
+from lightning_5d.checkpoint.full import load_file
 
 FORMAT_VERSION = 1
 META = "meta.pt"
@@ -233,7 +234,6 @@ def read_model_state(path: str | os.PathLike, prefix: str = MODEL) -> dict[str, 
     (keys without ``prefix``), or a full-format file's ``state_dict``."""
     path = Path(path)
     if path.is_file():
-        from lightning_5d.checkpoint.full import load_file
         from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
         whole = load_file(TorchCheckpointIO(), path, weights_only=True)

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from lightning_5d.checkpoint import files, full, sharded
 from lightning_5d.checkpoint.lineage import STAMP_KEY, Branch
 from lightning_5d.checkpoint.errors import CheckpointError
+from lightning_5d.checkpoint.export import hf_info
 
 log = logging.getLogger(__name__)
 
@@ -470,8 +471,6 @@ class StrategyCheckpoints:
     # ------------------------------------------------------------------ helpers
     def _layout_record(self, contains: list[str]) -> dict[str, Any]:
         s = self.strategy
-        from lightning_5d.checkpoint.export import hf_info
-
         return {
             "layout": {**s.layout.sizes(), "ep": s.layout.ep},
             "zero": int(s.zero_stage),

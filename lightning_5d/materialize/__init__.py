@@ -2,7 +2,7 @@
 
 See :mod:`.record` (what the build records), :mod:`.replay` (one tensor's full value, exact
 to a single-process CPU build), :mod:`.apply` (capture before the dimensions, materialize
-after them) and :mod:`.build` (the strategy's handle).
+after them), :mod:`.build` (the strategy's handle) and :mod:`.heap` (freed pages back to the OS).
 """
 
 from lightning_5d.materialize.apply import MaterializeError, has_meta

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from lightning_5d.materialize.heap import release_freed_memory
 from lightning_5d.materialize.record import InitLog, Ref, recording
 from lightning_5d.materialize.replay import Replay
 
@@ -186,17 +187,6 @@ def _fill(name: str, target: Tensor, piece: Tensor) -> None:
             f"the model eagerly (trainer.init_module(empty_init=False)) for this layout."
         )
     target.copy_(piece)
-
-
-def release_freed_memory() -> None:
-    """Give the full tensors' freed pages back to the OS (glibc keeps freed heap memory below
-    its mmap threshold, ~32 MiB, for reuse: per-rank RSS would otherwise stay near the peak)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim, or the allocator returns pages itself
-        pass
 
 
 def placement_device(module: nn.Module, device_type: str) -> torch.device:

@@ -29,6 +29,8 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_5d.materialize.heap import release_freed_memory
+
 # Calls whose result depends on the generator (matched by name; nn.init's own are listed
 # separately because some of them are deterministic).
 _RANDOM_NAMES = frozenset(
@@ -180,8 +182,6 @@ class InitRecorder(TorchFunctionMode):
                 func(*args, **{**kwargs, "device": torch.device("cpu")})
             else:
                 func(*tree_map(scratch, args), **tree_map(scratch, kwargs))
-        from lightning_5d.materialize.apply import release_freed_memory
-
         # glibc keeps the freed scratch pages and, with tensors of many sizes, rarely reuses them:
         # without this the build's peak RSS grows to the whole model (measured: 0.5 B model, 2.8 GB).
         release_freed_memory()
@@ -281,8 +281,6 @@ def recording(log: InitLog) -> Iterator[None]:
         with torch.device("meta"), recorder:
             yield
     finally:
-        from lightning_5d.materialize.apply import release_freed_memory
-
         release_freed_memory()  # the draws' scratch tensors
         for owner, name, old in originals:
             setattr(owner, name, old)

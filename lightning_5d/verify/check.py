@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_5d.config import ParallelConfig, VerifyMode, ZeroStage
+from lightning_5d.parallel.pipeline import PipelineMode
 from lightning_5d.parallel.pipeline.fsdp import drop_held_gradients
 from lightning_5d.plan import discover
 from lightning_5d.plan.model_plan import ModelPlan
@@ -225,8 +226,6 @@ class PlanCheck:
                 if pp is None:
                     one(batch)
                 else:
-                    from lightning_5d.parallel.pipeline import PipelineMode
-
                     pp.run(PipelineMode.EVAL, one, batch)
 
         return forward
