@@ -6,7 +6,7 @@ for everything else (embedding, final norm, head): the lowest common ancestor of
 parameters. When that ancestor is the LightningModule itself (embedding, norm and head as
 its own attributes), Lightning calls ``training_step``, not ``forward``, so FSDP's forward
 hooks on it would never unshard those parameters: the strategy then routes each step
-through the module's forward (see ``FiveDStrategy._run_step``).
+through the module's forward (see ``AppliedDimensions.run_step``).
 """
 
 from __future__ import annotations
