@@ -14,8 +14,9 @@ for MoE, where the runtime refuses it (each tp rank would route a different sequ
 
 ZeRO-1 and ZeRO-3 each run the dense and the MoE model. On demand (`-m extended`) the other
 context-parallel modes run in the same layout: all-to-all at cp=2 on the dense model, and hybrid
-(Ulysses pairs x ring of 2, cp=4) on the MoE model as tp=2 x pp=2 x cp=4 x ep=2 (one data rank). Under ZeRO-3 each stage's FSDP2
-units hold their gradients for a pipeline run and reduce-scatter once after it (parallel/pipeline/fsdp.py).
+(Ulysses pairs x ring of 2, cp=4) on the MoE model as tp=2 x pp=2 x cp=4 x ep=2 (one data rank).
+Under ZeRO-3 each stage's FSDP2 units hold their gradients for a pipeline run and reduce-scatter
+once after it (parallel/pipeline/fsdp.py).
 
 Wall times on this machine print with the result (pytest -s); the issue note records them.
 """

@@ -77,7 +77,8 @@ def layout_case(test_name: str, params: dict):
         nproc, cp, recipe, extra = (params[name] for name in FP8_PARAMS.split(","))
         precision = f"fp8-{recipe}"
         return {
-            ("fp8", nproc, cp, recipe, extra): (nproc, dict(zero=1, steps=STEPS, precision=precision, cp=cp, extra=extra)),
+            ("fp8", nproc, cp, recipe, extra): (nproc, dict(zero=1, steps=STEPS, precision=precision, cp=cp,
+                                                            extra=extra)),
             ("fp8-one", recipe): (1, dict(zero=0, steps=STEPS, precision=precision)),
         }
     if not test_name.startswith("test_reference_model_matches_single_process"):
