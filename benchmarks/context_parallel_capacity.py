@@ -172,16 +172,16 @@ def _explain(result: dict) -> str:
         if cp == "1":
             continue
         slope = row["fit"]["bytes_per_token"] / one["fit"]["bytes_per_token"]
-        # With the base of cp=1 and the slope of cp=1 / cp, S_max would be cp x cp=1's.
-        ideal = (cap - row["fit"]["base_bytes"]) / (cap - one["fit"]["base_bytes"]) / slope
-        parts.append(f"cp={cp}: {row['s_max'] / one['s_max']:.2f} measured; per-token slope {slope:.2f}× cp=1's "
-                     f"(ideal {1 / int(cp):.2f}); base {_mib(row['fit']['base_bytes'])} MiB vs cp=1's "
-                     f"{_mib(one['fit']['base_bytes'])} MiB; the fits predict {ideal:.2f}")  # fmt: skip
-    return ("Ratio to cp=1 against cp: the per-token part of each process's memory falls ~1/cp, but the part "
-            "it holds before its first token (the fitted base: parameters, gradients and optimizer state, which "
-            "cp does not cut; gloo groups, which grow with the ranks; the first-run caches of discovery and "
-            "verification) does not, so it takes a larger share of a fixed cap on every cp rank. " + "; ".join(parts)
-            + ".")  # fmt: skip
+        # S_max ≈ (cap − base) / slope per cp: the ratio splits into a slope part and a base part.
+        predicted = (cap - row["fit"]["base_bytes"]) / (cap - one["fit"]["base_bytes"]) / slope
+        parts.append(f"cp={cp}: S_max ratio {row['s_max'] / one['s_max']:.2f}, per-token slope {slope:.3f}× cp=1's "
+                     f"(ideal {1 / int(cp):.3f}), base {_mib(row['fit']['base_bytes'])} MiB, the fit's ratio "
+                     f"{predicted:.2f}")  # fmt: skip
+    return (f"Against cp: the per-token part of a process's growth falls as 1/cp; the base (what a process "
+            f"holds before its first token; cp=1: {_mib(one['fit']['base_bytes'])} MiB) moves both ways with cp — "
+            f"parameters and gradients stay whole on every rank and gloo groups come with each rank, while "
+            f"ZeRO-1 shards the optimizer state over dp×cp, so with more cp ranks each holds less of it. A base "
+            f"below cp=1's lets the ratio exceed cp. " + "; ".join(parts) + ".")  # fmt: skip
 
 
 def _main() -> None:
