@@ -18,6 +18,7 @@ from pathlib import Path
 from benchmarks import (
     checkpoint_save,
     comm_vs_theory,
+    context_parallel_capacity,
     context_parallel_scaling,
     cp_bytes_vs_theory,
     memory_vs_theory,
@@ -36,6 +37,7 @@ BENCHMARKS = {
     "memory_vs_theory": memory_vs_theory,
     "pipeline_bubble": pipeline_bubble,
     "context_parallel_scaling": context_parallel_scaling,
+    "context_parallel_capacity": context_parallel_capacity,
     "cp_bytes_vs_theory": cp_bytes_vs_theory,
     "precision_recipes": precision_recipes,
     "checkpoint_save": checkpoint_save,

@@ -12,8 +12,11 @@ for MoE, where the runtime refuses it (each tp rank would route a different sequ
   within 1 % relative. The layouts reduce in other orders and bf16 rounds each order
   differently; test_precision.py measures ~0.1 % per step for bf16 and sets the same 1 %.
 
-ZeRO-1 and ZeRO-3 each run the dense and the MoE model. Under ZeRO-3 each stage's FSDP2
-units hold their gradients for a pipeline run and reduce-scatter once after it (parallel/pipeline/fsdp.py).
+ZeRO-1 and ZeRO-3 each run the dense and the MoE model. On demand (`-m extended`) the other
+context-parallel modes run in the same layout: all-to-all at cp=2 on the dense model, and hybrid
+(Ulysses pairs x ring of 2, cp=4) on the MoE model as tp=2 x pp=2 x cp=4 x ep=2 (one data rank).
+Under ZeRO-3 each stage's FSDP2 units hold their gradients for a pipeline run and reduce-scatter
+once after it (parallel/pipeline/fsdp.py).
 
 Wall times on this machine print with the result (pytest -s); the issue note records them.
 """
@@ -40,11 +43,27 @@ FP32_FULL = {
     "dense_zero3": (16, 3, "tiny_deep", DENSE + INTERLEAVED),
     "moe_zero3": (16, 3, "tiny_moe_deep", MOE + INTERLEAVED),
 }
+# The other context-parallel modes in the 5D layout (on demand, `-m extended`). All-to-all: the dense
+# layout with Ulysses over cp=2 (4 kv heads: 2 per tp rank, 1 per cp rank). Hybrid needs cp=4 (Ulysses
+# pairs x ring of 2): tp=2 x pp=2 x cp=4 x ep=2 on 16 processes leaves one data rank, so ZeRO shards over
+# the 4 cp ranks (dp x cp) and ep=2 is taken from them.
+FP32_EXTENDED = {
+    "dense_alltoall_zero1": (16, 1, "tiny_deep_kv4", ["--tp", "2", "--sp", "--cp", "2", "--cp-mode", "alltoall"]
+                             + INTERLEAVED),
+    "moe_hybrid_zero1": (16, 1, "tiny_moe_deep_kv4", ["--tp", "2", "--cp", "4", "--cp-mode", "hybrid",
+                                                      "--cp-ulysses", "2", "--ep", "2"] + INTERLEAVED),
+}  # fmt: skip
 
 
 @functools.cache
-def reference(model: str):
-    return reference_run(STEPS, DATA_RANKS, model=model, batch_size=BATCH)
+def reference(model: str, data_ranks: int = DATA_RANKS):
+    return reference_run(STEPS, data_ranks, model=model, batch_size=BATCH)
+
+
+def data_ranks(nproc: int, dims) -> int:
+    """Processes over tp x cp x pp: the data ranks (dp_shard) of a layout."""
+    size = {flag: int(dims[dims.index(flag) + 1]) if flag in dims else 1 for flag in ("--tp", "--cp", "--pp")}
+    return nproc // (size["--tp"] * size["--cp"] * size["--pp"])
 
 
 def options(zero, model, dims, precision="32-true", nproc=16) -> dict:
@@ -54,11 +73,11 @@ def options(zero, model, dims, precision="32-true", nproc=16) -> dict:
     return dict(zero=zero, steps=STEPS, precision=precision, model=model, extra=extra)
 
 
-FP32 = {**FP32_FAST, **FP32_FULL}
+FP32 = {**FP32_FAST, **FP32_FULL, **FP32_EXTENDED}
 
 
 def layout_case(test_name: str, params: dict):
-    if test_name.startswith("test_five_d_matches_single_process"):
+    if test_name.startswith(("test_five_d_matches_single_process", "test_five_d_other_context_modes")):
         nproc, zero, model, dims = FP32[params["name"]]
         return (params["name"],), (nproc, options(zero, model, tuple(dims)))
     if test_name == "test_five_d_mixed_precision_tracks_single_process":
@@ -79,9 +98,11 @@ def runs(request, tmp_path_factory):
 def check_fp32(runs, name, nproc, zero, model, dims):
     result, params = runs[(name,)]
     layout = result["layout"]
-    wanted = {"dp_shard": DATA_RANKS, "tp": 2, "cp": 2, "pp": 1 + ("--pp" in dims), "ep": 1 + ("--ep" in dims)}
+    cp = int(dims[dims.index("--cp") + 1])
+    wanted = {"dp_shard": data_ranks(nproc, dims), "tp": 2, "cp": cp, "pp": 1 + ("--pp" in dims),
+              "ep": 1 + ("--ep" in dims)}  # fmt: skip
     assert {k: layout[k] for k in wanted} == wanted, layout
-    ref_losses, ref_params = reference(model)
+    ref_losses, ref_params = reference(model, data_ranks(nproc, dims))
     error = parameter_vector_error(params, ref_params)
     print(f"5D {name}: {nproc} processes; parameter error {error:.1e}, layout {layout}")
     assert_equivalent(result["losses"], params, ref_losses, ref_params)
@@ -101,6 +122,14 @@ def test_five_d_matches_single_process(runs, name):
 @pytest.mark.parametrize("name", list(FP32_FULL))
 def test_five_d_matches_single_process_full(runs, name):
     check_fp32(runs, name, *FP32_FULL[name])
+
+
+@pytest.mark.distributed
+@pytest.mark.extended
+@pytest.mark.timeout(1500)  # the first 16-process case trains the whole batch
+@pytest.mark.parametrize("name", list(FP32_EXTENDED))
+def test_five_d_other_context_modes_match_single_process(runs, name):
+    check_fp32(runs, name, *FP32_EXTENDED[name])
 
 
 @pytest.mark.distributed

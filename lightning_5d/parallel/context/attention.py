@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from typing import Any
 
 import torch
@@ -139,11 +140,16 @@ def hf_ring_attention(
 
 
 def hugging_face_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The outermost Hugging Face ``PreTrainedModel``s inside ``module`` (empty without transformers)."""
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
+    """The outermost Hugging Face ``PreTrainedModel``s inside ``module`` (empty without transformers).
+
+    Looked up in ``sys.modules``, never imported: a model built from ``transformers`` has loaded
+    ``transformers.modeling_utils`` already, and importing it for a model that is not one would
+    cost every cp rank ~6 MiB of resident memory for nothing (benchmarks/RESULTS.md, context_parallel_scaling).
+    """
+    modeling = sys.modules.get("transformers.modeling_utils")
+    if modeling is None:
         return []
+    PreTrainedModel = modeling.PreTrainedModel  # noqa: N806 (the class, under its own name)
     found: list[tuple[str, nn.Module]] = []
     for name, sub in module.named_modules():
         if isinstance(sub, PreTrainedModel) and not any(name.startswith(f"{n}.") or not n for n, _ in found):

@@ -184,9 +184,16 @@ def merge_partial(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor
 
 
 def _merge_into(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor, q_half: int | None) -> None:
+    """:func:`merge_partial` written into the running ``(out, lse)`` in place.
+
+    ``O ← e^(lse_a−lse)·O`` then ``O += e^(lse_b−lse)·O_b`` (``addcmul_``): no output-sized
+    temporary, where the out-of-place merge holds three at once (RSS per rank at long S).
+    """
     o_view, l_view = _half(out, q_half, -2), _half(lse, q_half, -1)
-    new_out, new_lse = merge_partial(o_view, l_view, block_out.to(out.dtype), block_lse.to(lse.dtype))
-    o_view.copy_(new_out)
+    block_lse = block_lse.to(lse.dtype)
+    new_lse = torch.logaddexp(l_view, block_lse)
+    o_view.mul_(torch.exp(l_view - new_lse).unsqueeze(-1))
+    o_view.addcmul_(block_out.to(out.dtype), torch.exp(block_lse - new_lse).unsqueeze(-1))
     l_view.copy_(new_lse)
 
 

@@ -20,6 +20,9 @@ MODELS = {
     "tiny_moe": replace(TINY, num_experts=4, experts_top_k=2, num_shared_experts=1, moe_intermediate_size=64),
 }
 MODELS["tiny_moe_deep"] = replace(MODELS["tiny_moe"], num_layers=4)  # pp=2 x virtual_stages=2 needs 4 blocks
+# tp=2 x all-to-all/hybrid cp=2: each tp rank's 2 query and 2 kv heads are sharded again over the Ulysses group
+MODELS["tiny_deep_kv4"] = replace(MODELS["tiny_deep"], num_kv_heads=4)
+MODELS["tiny_moe_deep_kv4"] = replace(MODELS["tiny_moe_deep"], num_kv_heads=4)
 SEQ_LEN = 32
 BATCH_SIZE = 2  # per data rank
 NUM_SAMPLES = 256

@@ -3,8 +3,10 @@
 Equivalence runs train under FiveDStrategy(cp=...) and the same module in one process,
 fp32, 5 steps: every step's loss within 1e-5 relative and the parameter vector within
 1e-5 relative (as in test_tensor.py). The fast tier runs cp=2 on the reference model,
-cp x dp with ZeRO-3, the hybrid mode at cp=4 (in the same 4-process launch) and Hugging Face Llama at
-cp=2; the rest is slow or extended.
+cp x dp with ZeRO-3, the hybrid mode at cp=4, all-to-all inside pipeline stages and hybrid
+with expert parallelism (those four in one 4-process launch) and Hugging Face Llama at cp=2;
+the rest is slow or extended: all-to-all and hybrid with tp+SP, pp, ep and ZeRO-3, and with
+FP8 against one process under the same recipe.
 """
 
 import json
@@ -14,16 +16,25 @@ import torch
 
 from hf_support import hf_reference_run
 from reference import reference_run
-from tests_support import LOSS_RTOL, LayoutRuns, PARAM_RTOL, SCRIPTS, assert_equivalent, run_distributed, selected_cases
+from tests_support import (BATCH_SIZE, LOSS_RTOL, LayoutRuns, PARAM_RTOL, SCRIPTS, assert_equivalent, relative,
+                           run_distributed, selected_cases)
 
 STEPS = 5
+FP8_STEP_RTOL = 0.01  # FP8 per step against one process under the same recipe (see the FP8 test)
 
 
 # (nproc, cp, tp, sp, zero, accumulate, clip, extra script args): the reference model
+HYBRID = ("--cp-mode", "hybrid", "--cp-ulysses", "2")  # Ulysses pairs x ring of 2
+ALLTOALL = ("--cp-mode", "alltoall")
+PP2 = ("--pp", "2", "--microbatches", "2", "--batch-size", "4")  # one block per stage, 2 microbatches of 2
+MOE_EP2 = ("--model", "tiny_moe", "--ep", "2")  # ep=2 taken from the cp ranks
 REFERENCE_FAST = [
     (2, 2, 1, False, 1, 1, None, ("--ac", "full")),  # recomputation in backward goes through the ring too
     (4, 2, 1, False, 3, 1, None, ()),  # cp x dp_shard=2 with ZeRO-3
-    (4, 4, 1, False, 1, 1, None, ("--cp-mode", "hybrid", "--cp-ulysses", "2")),  # Ulysses pairs x ring of 2; cp > kv heads
+    (4, 4, 1, False, 1, 1, None, HYBRID),  # cp > kv heads
+    # the all-to-all and hybrid modes composed: in the same 4-process launch as the two above
+    (4, 2, 1, False, 1, 1, None, (*ALLTOALL, *PP2)),  # Ulysses inside each pipeline stage
+    (4, 4, 1, False, 1, 1, None, (*HYBRID, *MOE_EP2)),  # experts dispatched over hybrid cp ranks
 ]
 REFERENCE_FULL = [
     (2, 2, 1, False, 1, 2, 0.5, ()),
@@ -37,16 +48,39 @@ REFERENCE_FULL = [
     (4, 2, 2, True, 1, 1, None, ("--cp-mode", "alltoall")),  # Ulysses x tp+SP: heads/tp shard over cp
     (4, 2, 1, False, 3, 1, None, ("--cp-mode", "alltoall", "--cp-sharding", "contiguous")),
 ]
-# hybrid beyond the fast case: contiguous sharding, and Ulysses pairs x ring of 2 under cp x dp with ZeRO-3
-HYBRID = ("--cp-mode", "hybrid", "--cp-ulysses", "2")
+# hybrid and all-to-all beyond the fast cases: contiguous sharding, and each composed with tp, pp, ep and ZeRO-3
 REFERENCE_EXTENDED = [
     (4, 4, 1, False, 1, 1, None, (*HYBRID, "--cp-sharding", "contiguous")),
-    (8, 4, 1, False, 3, 1, None, HYBRID),
+    (8, 4, 1, False, 3, 1, None, HYBRID),  # cp x dp_shard=2 with ZeRO-3
+    (8, 4, 2, True, 1, 1, None, (*HYBRID, "--model", "tiny_kv4")),  # x tp+SP: 2 q and 2 kv heads per tp rank
+    (8, 4, 1, False, 1, 1, None, (*HYBRID, *PP2)),
+    (4, 4, 1, False, 3, 1, None, (*HYBRID, *MOE_EP2)),  # experts sharded by FSDP2 over the cp ranks
+    (2, 2, 1, False, 1, 1, None, (*ALLTOALL, *MOE_EP2)),
+    (4, 2, 1, False, 3, 1, None, (*ALLTOALL, *MOE_EP2)),  # cp x dp_shard=2, ep=2, ZeRO-3
+    (8, 2, 2, True, 1, 1, None, (*ALLTOALL, *PP2, "--model", "tiny_kv4")),  # cp x tp+SP x pp
 ]
 REF_PARAMS = "nproc,cp,tp,sp,zero,accumulate,clip,extra"
 
 
+# FP8 with the all-to-all and hybrid modes, against one process under the same recipe: (nproc, cp, recipe, extra)
+FP8 = [
+    (2, 2, "tensorwise", ALLTOALL),
+    (2, 2, "rowwise", ALLTOALL),
+    (4, 4, "tensorwise", HYBRID),
+    (4, 4, "rowwise", HYBRID),
+]
+FP8_PARAMS = "nproc,cp,recipe,extra"
+
+
 def layout_case(test_name: str, params: dict):
+    if test_name == "test_fp8_with_other_modes_tracks_one_process":
+        nproc, cp, recipe, extra = (params[name] for name in FP8_PARAMS.split(","))
+        precision = f"fp8-{recipe}"
+        return {
+            ("fp8", nproc, cp, recipe, extra): (nproc, dict(zero=1, steps=STEPS, precision=precision, cp=cp,
+                                                            extra=extra)),
+            ("fp8-one", recipe): (1, dict(zero=0, steps=STEPS, precision=precision)),
+        }
     if not test_name.startswith("test_reference_model_matches_single_process"):
         return None
     key = tuple(params[name] for name in REF_PARAMS.split(","))
@@ -60,12 +94,22 @@ def runs(request, tmp_path_factory):
     return LayoutRuns(tmp_path_factory.mktemp("context"), selected_cases(request, layout_case))
 
 
+def option(extra: tuple, flag: str, default):
+    """The value after ``flag`` in a case's train_llama.py arguments."""
+    return extra[extra.index(flag) + 1] if flag in extra else default
+
+
 def check_reference(runs, nproc, cp, tp, sp, zero, accumulate, clip, extra):
     result, params = runs[(nproc, cp, tp, sp, zero, accumulate, clip, extra)]
     layout = result["layout"]
-    assert (layout["cp"], layout["tp"]) == (cp, tp)
-    ref_losses, ref_params = reference_run(STEPS, nproc // (cp * tp), accumulate, clip)
+    pp, ep = int(option(extra, "--pp", 1)), int(option(extra, "--ep", 1))
+    assert (layout["cp"], layout["tp"], layout["pp"], layout["ep"]) == (cp, tp, pp, ep)
+    model, batch = option(extra, "--model", "tiny"), int(option(extra, "--batch-size", BATCH_SIZE))
+    ref_losses, ref_params = reference_run(STEPS, nproc // (cp * tp * pp), accumulate, clip, model=model,
+                                           batch_size=batch)  # fmt: skip
     assert_equivalent(result["losses"], params, ref_losses, ref_params)
+    if pp > 1:  # the step runs per microbatch on the last stage; its logging is test_pipeline.py's
+        return
     # What the unchanged training_step logged is its data rank's whole-sequence loss, identical on
     # the cp (and tp) ranks that share those sequences; ranks are data-rank major (pp, dp, cp, tp).
     logged = [r["logged_train_loss"] for r in result["model_state_bytes"]]
@@ -104,6 +148,22 @@ def test_hybrid_attention_sends_the_bytes_the_planner_predicts():
     assert row["ranks_agree"]
     assert {op: m["group_sizes"] for op, m in row["measured"].items()} == {"all_to_all": [2], "send": [2]}
     assert 0.95 <= row_ratio(row) <= 1.05, row
+
+
+@pytest.mark.distributed
+@pytest.mark.extended
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(FP8_PARAMS, FP8)
+def test_fp8_with_other_modes_tracks_one_process(runs, nproc, cp, recipe, extra):
+    """FP8 scales come from each rank's own tokens (its sequence shard), so a cp run quantizes
+    other groups of values than one process does: compared per step within FP8_STEP_RTOL, as the
+    5D layout's FP8 run is (test_five_d.py)."""
+    result, _ = runs[("fp8", nproc, cp, recipe, extra)]
+    one, _ = runs[("fp8-one", recipe)]
+    assert result["layout"]["cp"] == cp
+    rel = relative(result["losses"], one["losses"])
+    print(f"fp8-{recipe} {' '.join(extra)} cp={cp}: max per-step loss difference to one process {rel:.2e}")
+    assert rel < FP8_STEP_RTOL, (result["losses"], one["losses"])
 
 
 # (nproc, cp, tp, sp, zero): Hugging Face LlamaForCausalLM in the obvious LightningModule
