@@ -43,12 +43,16 @@ MODEL = {"vocab_size": 256, "hidden_size": 256, "intermediate_size": 768, "num_l
 CAP_MIB = 160  # peak RSS growth during fit, per process (sized so that cp=4's probes run in minutes on 2 cores)
 GRID = 256  # tokens: S_max is found to this resolution (divisible by 2·cp for the zig-zag cut)
 CPS = (1, 2, 4)
+# --quick: half the cap (shorter sequences, so each probe is ~4x cheaper) and cp = 1, 2 only;
+# the ratio it reports is the same quantity, measured on a smaller memory budget.
+QUICK_CAP_MIB = 80
+QUICK_CPS = (1, 2)
 PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 MAX_PROBES = 12  # per cp: a search that has not converged by then reports what it has
 COMMAND = "python -m benchmarks run --only context_parallel_capacity"
 
 
-def _probe(cp: int, seq_len: int) -> dict:
+def _probe(cp: int, seq_len: int, cap_mib: int) -> dict:
     """One training run at (cp, S) with the allocator pinned: the ranks' RSS growth during fit."""
     cfg = {**MODEL, "max_seq_len": seq_len}
     args = ["--strategy", "5d", "--zero", "1", "--model", json.dumps(cfg), "--seq-len", str(seq_len),
@@ -70,16 +74,16 @@ def _probe(cp: int, seq_len: int) -> dict:
         "peak_rss_bytes": max(r["peak_rss_bytes"] for r in result["ranks"]),
         "step_s": result["step_s"],
         "loss": result["ranks"][0]["losses"][-1],
-        "fits": max(growth) <= CAP_MIB * 2**20,
+        "fits": max(growth) <= cap_mib * 2**20,
     }
 
 
-def _search(cp: int) -> dict:
+def _search(cp: int, cap_mib: int) -> dict:
     probes: dict[int, dict] = {}
 
     def probe(s: int) -> dict:
         if s not in probes:
-            probes[s] = _probe(cp, s)
+            probes[s] = _probe(cp, s, cap_mib)
             p = probes[s]
             print(f"[capacity] cp={cp} S={s}: growth {p['growth_bytes'] / 2**20:.1f} MiB, fits {p['fits']}", flush=True)
         return probes[s]
@@ -87,7 +91,7 @@ def _search(cp: int) -> dict:
     a, b = probe(1024 * cp), probe(2048 * cp)
     slope = (b["growth_bytes"] - a["growth_bytes"]) / (b["seq_len"] - a["seq_len"])
     base = a["growth_bytes"] - slope * a["seq_len"]
-    guess = max(GRID, int((CAP_MIB * 2**20 - base) / slope) // GRID * GRID) if slope > 0 else b["seq_len"]
+    guess = max(GRID, int((cap_mib * 2**20 - base) / slope) // GRID * GRID) if slope > 0 else b["seq_len"]
     s = guess
     while len(probes) < MAX_PROBES:
         if probe(s)["fits"]:
@@ -110,11 +114,11 @@ def _search(cp: int) -> dict:
 
 
 def run(quick: bool) -> dict:
-    del quick  # one search per cp either way: a shorter search would not find the boundary
+    cap_mib, cps = (QUICK_CAP_MIB, QUICK_CPS) if quick else (CAP_MIB, CPS)
     load = [os.getloadavg()[0]]
-    rows = {str(cp): _search(cp) for cp in CPS}
+    rows = {str(cp): _search(cp, cap_mib) for cp in cps}
     load.append(os.getloadavg()[0])
-    return {"command": COMMAND, "model": MODEL, "cap_mib": CAP_MIB, "grid": GRID, "rows": rows, "load_1min": load}
+    return {"command": COMMAND, "model": MODEL, "cap_mib": cap_mib, "grid": GRID, "rows": rows, "load_1min": load}
 
 
 def _mib(n: float) -> str:
