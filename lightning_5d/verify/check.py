@@ -215,6 +215,23 @@ class PlanCheck:
             finally:
                 cp.end()
 
+        def pipelined(batch: dict[str, Tensor]) -> None:
+            from lightning_5d.parallel.pipeline import PipelineMode
+
+            if cp is None:
+                pp.run(PipelineMode.EVAL, lambda mb: call(mb["input_ids"]), batch)
+                return
+            # As training does (PipelineLoop.run): the sequence shard first, then its microbatches.
+            # The pipeline keeps the first block's input shape per microbatch shape; cutting each
+            # microbatch inside the step instead gave a cp-cut activation under the key of an
+            # uncut microbatch, which training's (already cut) microbatches of that same shape then
+            # reused: the later stages received twice what they expected (gloo aborted them).
+            local = cp.begin(batch)
+            try:
+                pp.run(PipelineMode.EVAL, lambda mb: call(mb["input_ids"]), local)
+            finally:
+                cp.end()
+
         def forward(batch: dict[str, Tensor]) -> None:
             fp8 = precision is not None and getattr(precision, "fp8", None) is not None
             # FP8 linears compute in bf16 here: the check proves the layout; FP8's own error is the
@@ -225,9 +242,7 @@ class PlanCheck:
                 if pp is None:
                     one(batch)
                 else:
-                    from lightning_5d.parallel.pipeline import PipelineMode
-
-                    pp.run(PipelineMode.EVAL, one, batch)
+                    pipelined(batch)
 
         return forward
 
