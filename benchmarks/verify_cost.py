@@ -4,7 +4,8 @@
     python -m benchmarks.verify_cost --only small    # the reference model only (seconds)
 
 Each case is one ``Trainer.fit`` on 2 CPU processes (gloo, fp32, ``OMP_NUM_THREADS=1``),
-verifier on. The worker times ``PlanCheck.after`` (the probe forward, the gathers of each
+verifier on: ``verify="blocks"`` (outputs and parameter gradients, the default) or, on the
+cases named "outputs", ``verify="outputs"`` (the forward comparison alone). The worker times ``PlanCheck.after`` (the probe forward, the gathers of each
 piece's full weights and the reference pieces) and every training step; the ratio is the
 verifier's time over the median step after the first (the first pays one-time allocations).
 Both numbers come from the same processes, minutes apart at most, so a shared machine's
@@ -32,10 +33,15 @@ SMALL = {"vocab_size": 256, "hidden_size": 256, "intermediate_size": 768, "num_l
 # leaves free (~15 GB) next to four other engineers' runs. This is the largest that fits safely.
 LARGE = {"vocab_size": 32000, "hidden_size": 1536, "intermediate_size": 4096, "num_layers": 16, "num_heads": 24,
          "num_kv_heads": 8, "max_seq_len": 256}  # fmt: skip
+# verify="outputs" is the verifier before it compared gradients (forward only); "blocks", the
+# default, adds one backward per piece. Both on the same case, one launch each.
 CASES = {
+    "small tp=2 outputs": ("small", ["--tp", "2", "--verify", "outputs"]),
     "small tp=2": ("small", ["--tp", "2"]),
+    "small tp=2 sp outputs": ("small", ["--tp", "2", "--sp", "--verify", "outputs"]),
     "small tp=2 sp": ("small", ["--tp", "2", "--sp"]),
     "small zero=3": ("small", ["--zero", "3"]),
+    "large tp=2 outputs": ("large", ["--tp", "2", "--verify", "outputs"]),
     "large tp=2": ("large", ["--tp", "2"]),
 }
 SEQ_LEN, BATCH, STEPS = 128, 2, 4
@@ -82,6 +88,7 @@ def worker(args: argparse.Namespace) -> None:
     module = SGDLM(config)
     params = sum(p.numel() for p in module.parameters())
     kwargs = {"tp": args.tp, "sequence_parallel": args.sp} if args.tp > 1 else {"zero": args.zero}
+    kwargs["verify"] = args.verify
     timer = StepTimes()
     trainer = L.Trainer(
         accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=lightning_5d.FiveDStrategy(**kwargs),
@@ -148,6 +155,7 @@ def main() -> None:
     parser.add_argument("--sp", action="store_true")
     parser.add_argument("--zero", type=int, default=1)
     parser.add_argument("--out", default="")
+    parser.add_argument("--verify", default="blocks", choices=["blocks", "outputs"])
     parser.add_argument("--only", default=None, help="cases whose name starts with this (small, large)")
     args = parser.parse_args()
     if args.worker:

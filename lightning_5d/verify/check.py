@@ -140,8 +140,9 @@ class PlanCheck:
             return None
         held = self._held_pieces(module, ep, pp is not None, report)
         # Gradients too (grads.py), except under ZeRO-3, whose sharded parameters are not in the graph.
-        grads = self.config.zero != ZeroStage.PARAMETERS and not any(has_dtensor_parameters(m) for _, m in held)
-        if not grads:
+        grads = self.config.verify == VerifyMode.BLOCKS and self.config.zero != ZeroStage.PARAMETERS
+        grads = grads and not any(has_dtensor_parameters(m) for _, m in held)
+        if self.config.verify == VerifyMode.BLOCKS and not grads:
             report.skipped.append("parameter gradients (ZeRO-3: FSDP2 owns the parameters the forward used)")
         recorder = Recorder()
         for piece, live in held:

@@ -71,6 +71,10 @@ class Recorder:
         def after(_m: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if record.done:
                 return
+            if keep_graph and not torch.is_grad_enabled():
+                # The pipeline's shape probe runs the first stage up to the first block without
+                # gradients; the piece's backward needs the call of the real forward that follows.
+                return
             if inputs:
                 record.args, record.kwargs = _detached(args), _detached(kwargs)
             record.output, record.done = _detached(output), True
