@@ -175,10 +175,16 @@ class PlanCheck:
             for m in units:
                 m.reshard()
 
+        # A parameter two pieces share (a head tied to the embedding) has its gradient compared in the
+        # first: from a later piece's output, autograd would also follow the path through the earlier
+        # piece (the lookup feeding the blocks), which the reference piece alone does not have.
+        compared: set[int] = set()
         for piece, live in held:
+            shared = {n for n, p in live.named_parameters() if id(p) in compared}
+            compared.update(id(p) for p in live.parameters())
             try:
                 report.results.append(self._compare(piece, live, recorder, layout, tp, cp if grads else None,
-                                                    grads, device))  # fmt: skip
+                                                    grads, device, shared))  # fmt: skip
             except _NotComparable as why:
                 report.skipped.append(str(why))
         recorder.records.clear()  # the probe's graph (kept for the gradients) goes with it
@@ -259,13 +265,13 @@ class PlanCheck:
 
     def _compare(
         self, piece: Piece, live: nn.Module, recorder: Recorder, layout: ActivationLayout, tp: Any, cp: Any,
-        grads: bool, device,
+        grads: bool, device, shared: set[str],
     ) -> PieceResult:  # fmt: skip
         record = recorder.records[piece.path]
         inners = inner_paths(piece)
         # Collectives first, in the same order on every rank that holds this piece.
         full = full_weights(live, piece.path, tensor_names(piece.copy), tp)
-        names = trainable_names(piece.copy) if grads and record.done else []
+        names = [n for n in trainable_names(piece.copy) if n not in shared] if grads and record.done else []
         par_grads = parallel_grads(live, piece.path, names, _first_tensor(record.live_output), tp, cp) if names else {}
         args = _float(layout.full(record.args))
         kwargs = _float(layout.full(record.kwargs))
