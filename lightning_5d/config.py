@@ -83,7 +83,10 @@ class SequenceSharding(str, Enum):
 class VerifyMode(str, Enum):
     """What setup proves about the applied plan before training (``lightning_5d.verify``)."""
 
-    BLOCKS = "blocks"  # embedding, each block, final norm + head against the unparallelized pieces
+    # embedding, each block, final norm + head against the unparallelized pieces: outputs, and
+    # each parameter's gradient after one backward of the piece (not under ZeRO-3)
+    BLOCKS = "blocks"
+    OUTPUTS = "outputs"  # the same pieces, outputs only (no backward): cheaper, blind to gradient-only errors
     OFF = "off"  # no check: for a model whose probe forward cannot run, or to save its setup time
 
 

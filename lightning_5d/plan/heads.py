@@ -13,7 +13,8 @@ from torch import nn
 
 from lightning_5d.plan import paths
 
-HEADS_NAMES = ("num_attention_heads", "num_heads", "n_heads", "n_head")
+# "heads": the einops / lucidrains spelling (rearrange(t, "b s (h d) -> b h s d", h=self.heads)).
+HEADS_NAMES = ("num_attention_heads", "num_heads", "n_heads", "n_head", "heads")
 KV_HEADS_NAMES = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
 HEAD_DIM_NAMES = ("head_dim",)
 
@@ -33,6 +34,7 @@ HEAD_ATTRIBUTE_NAMES = (
     "hidden_size",
     "all_head_size",
     "inner_dim",
+    "heads",
 )
 
 

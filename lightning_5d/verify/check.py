@@ -29,6 +29,7 @@ from lightning_5d.plan.model_plan import ModelPlan
 from lightning_5d.verify.compare import Difference, PieceResult, PlanVerificationError, difference, mismatch_message
 from lightning_5d.verify.compare import tolerance_for
 from lightning_5d.verify.gather import ActivationLayout, full_weights
+from lightning_5d.verify.grads import has_dtensor_parameters, parallel_grads, reference_grads, trainable_names
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_5d.verify.probe import (
@@ -55,10 +56,13 @@ class CheckReport:
     def summary(self) -> str:
         if not self.results:
             return "no piece compared" + (f" ({'; '.join(self.skipped)})" if self.skipped else "")
-        worst = max(self.results, key=lambda r: r.output.relative / r.tolerance)
+        worst = max(self.results, key=lambda r: r.worst_relative() / r.tolerance)
+        grads = sum(len(r.grads) for r in self.results)
+        what = f"outputs and {grads} parameter gradients" if grads else "outputs"
         text = (
-            f"{len(self.results)} pieces on this rank match the unparallelized model in {self.seconds:.2f} s; "
-            f"closest to its tolerance: {worst.name}, relative error {worst.output.relative:.2g} (tolerance {worst.tolerance:g})"
+            f"{len(self.results)} pieces on this rank match the unparallelized model ({what}) in {self.seconds:.2f} s; "
+            f"closest to its tolerance: {worst.name}, relative error {worst.worst_relative():.2g} "
+            f"(tolerance {worst.tolerance:g})"
         )
         return text + (f"; not compared: {'; '.join(self.skipped)}" if self.skipped else "")
 
@@ -136,15 +140,20 @@ class PlanCheck:
             )
             return None
         held = self._held_pieces(module, ep, pp is not None, report)
+        # Gradients too (grads.py), except under ZeRO-3, whose sharded parameters are not in the graph.
+        grads = self.config.verify == VerifyMode.BLOCKS and self.config.zero != ZeroStage.PARAMETERS
+        grads = grads and not any(has_dtensor_parameters(m) for _, m in held)
+        if self.config.verify == VerifyMode.BLOCKS and not grads:
+            report.skipped.append("parameter gradients (ZeRO-3: FSDP2 owns the parameters the forward used)")
         recorder = Recorder()
         for piece, live in held:
-            recorder.watch(piece.path, live, inputs=True)
+            recorder.watch(piece.path, live, inputs=True, keep_graph=grads)
             for inner, _ in inner_paths(piece):
                 recorder.watch(f"{piece.path}.{inner}", live.get_submodule(inner), inputs=False)
         modes = {m: m.training for m in module.modules()}
         module.eval()  # dropout off on both sides: the reference pieces are compared in eval mode too
         try:
-            run_probe(module, batch, self._forward(call, cp, pp, precision))
+            run_probe(module, batch, self._forward(call, cp, pp, precision), grad=grads)
         except ProbeError as err:
             if self.required:
                 raise
@@ -167,11 +176,19 @@ class PlanCheck:
             for m in units:
                 m.reshard()
 
+        # A parameter two pieces share (a head tied to the embedding) has its gradient compared in the
+        # first: from a later piece's output, autograd would also follow the path through the earlier
+        # piece (the lookup feeding the blocks), which the reference piece alone does not have.
+        compared: set[int] = set()
         for piece, live in held:
+            shared = {n for n, p in live.named_parameters() if id(p) in compared}
+            compared.update(id(p) for p in live.parameters())
             try:
-                report.results.append(self._compare(piece, live, recorder, layout, tp, device))
+                report.results.append(self._compare(piece, live, recorder, layout, tp, cp if grads else None,
+                                                    grads, device, shared))  # fmt: skip
             except _NotComparable as why:
                 report.skipped.append(str(why))
+        recorder.records.clear()  # the probe's graph (kept for the gradients) goes with it
         report.seconds = time.perf_counter() - start
         self.report = report
         failed = _everyone(report.results)
@@ -216,6 +233,21 @@ class PlanCheck:
             finally:
                 cp.end()
 
+        def pipelined(batch: dict[str, Tensor]) -> None:
+            if cp is None:
+                pp.run(PipelineMode.EVAL, lambda mb: call(mb["input_ids"]), batch)
+                return
+            # As training does (PipelineLoop.run): the sequence shard first, then its microbatches.
+            # The pipeline keeps the first block's input shape per microbatch shape; cutting each
+            # microbatch inside the step instead gave a cp-cut activation under the key of an
+            # uncut microbatch, which training's (already cut) microbatches of that same shape then
+            # reused: the later stages received twice what they expected (gloo aborted them).
+            local = cp.begin(batch)
+            try:
+                pp.run(PipelineMode.EVAL, lambda mb: call(mb["input_ids"]), local)
+            finally:
+                cp.end()
+
         def forward(batch: dict[str, Tensor]) -> None:
             fp8 = precision is not None and getattr(precision, "fp8", None) is not None
             # FP8 linears compute in bf16 here: the check proves the layout; FP8's own error is the
@@ -226,17 +258,20 @@ class PlanCheck:
                 if pp is None:
                     one(batch)
                 else:
-                    pp.run(PipelineMode.EVAL, one, batch)
+                    pipelined(batch)
 
         return forward
 
     def _compare(
-        self, piece: Piece, live: nn.Module, recorder: Recorder, layout: ActivationLayout, tp: Any, device
-    ) -> PieceResult:
+        self, piece: Piece, live: nn.Module, recorder: Recorder, layout: ActivationLayout, tp: Any, cp: Any,
+        grads: bool, device, shared: set[str],
+    ) -> PieceResult:  # fmt: skip
         record = recorder.records[piece.path]
         inners = inner_paths(piece)
         # Collectives first, in the same order on every rank that holds this piece.
         full = full_weights(live, piece.path, tensor_names(piece.copy), tp)
+        names = [n for n in trainable_names(piece.copy) if n not in shared] if grads and record.done else []
+        par_grads = parallel_grads(live, piece.path, names, _first_tensor(record.live_output), tp, cp) if names else {}
         args = _float(layout.full(record.args))
         kwargs = _float(layout.full(record.kwargs))
         output = layout.full(record.output)
@@ -250,7 +285,7 @@ class PlanCheck:
 
         parallel_out = _first_tensor(output)
         tolerance = tolerance_for(parallel_out.dtype if parallel_out is not None else torch.float32)
-        reference = materialize(piece, full, device)
+        reference = materialize(piece, full, device, trainable=bool(names))
         del full
         inner_recorder = Recorder()
         order: list[str] = []
@@ -258,7 +293,7 @@ class PlanCheck:
             inner_recorder.watch(inner, reference.get_submodule(inner), inputs=False)
             reference.get_submodule(inner).register_forward_hook(lambda *_a, _p=inner: order.append(_p))
         try:
-            with torch.no_grad():
+            with torch.set_grad_enabled(bool(names)):
                 ref_out = reference(*args, **kwargs)
         except Exception as err:
             # The parallel piece ran on these inputs; the model's own cannot take them gathered
@@ -278,8 +313,13 @@ class PlanCheck:
             ref = _first_tensor(inner_recorder.records[inner].output)
             if par is not None and ref is not None:
                 parts.append((f"{piece.path}.{inner}", difference(par, ref)))
+        grad_diffs = []
+        if names:
+            ref_grads = reference_grads(reference, names, _first_tensor(ref_out))
+            for name in names:
+                grad_diffs.append((f"{piece.path}.{name}", difference(par_grads[name], ref_grads[name])))
         del reference
-        return PieceResult(piece.name, piece.path, out, tolerance, tuple(parts))
+        return PieceResult(piece.name, piece.path, out, tolerance, tuple(parts), tuple(grad_diffs))
 
 
 class _nothing:

@@ -86,15 +86,35 @@ class PieceResult:
     output: Difference
     tolerance: float
     parts: tuple[tuple[str, Difference], ...] = ()
+    # Each parameter's gradient (full path) after one backward of the piece, against the
+    # reference piece's; empty where gradients were not compared (ZeRO-3).
+    grads: tuple[tuple[str, Difference], ...] = ()
 
     @property
     def failed(self) -> bool:
-        return self.output.exceeds(self.tolerance)
+        return self.output.exceeds(self.tolerance) or bool(self.failed_grads())
 
     def failed_parts(self) -> list[tuple[str, Difference]]:
         return [(path, d) for path, d in self.parts if d.exceeds(self.tolerance)]
 
+    def failed_grads(self) -> list[tuple[str, Difference]]:
+        return [(path, d) for path, d in self.grads if d.exceeds(self.tolerance)]
+
+    def worst_relative(self) -> float:
+        """The largest relative error of the output and every gradient (for the summary)."""
+        return max([self.output.relative, *(d.relative for _, d in self.grads)])
+
     def describe(self) -> str:
+        if not self.output.exceeds(self.tolerance):
+            bad = self.failed_grads()
+            lines = [f"{self.name} ({self.path}): the output matches ({self.output.text()}), but after one backward "
+                     f"of the piece {len(bad)} of its {len(self.grads)} parameter gradients do not "
+                     f"(tolerance {self.tolerance:g}):"]  # fmt: skip
+            lines += [f"    gradient of {path}: {d.text()}" for path, d in bad]
+            good = [path for path, d in self.grads if not d.exceeds(self.tolerance)]
+            if good:
+                lines.append(f"    matching gradients: {', '.join(good)}")
+            return "\n".join(lines)
         lines = [f"{self.name} ({self.path}): {self.output.text()} (tolerance {self.tolerance:g})"]
         bad = self.failed_parts()
         if bad:
@@ -121,7 +141,9 @@ def mismatch_message(failed: list[PieceResult], layout: str) -> str:
         f"any training step. Compared piece by piece with the unparallelized pieces on a probe input:\n  {body}\n"
         f"A projection that matches while the module around it does not means the split is wrong for how the "
         f"module uses those columns (fused or interleaved q/k/v, a fused [gate|up], heads read from a config) "
-        f"or the parallel version skips work the module does (an embedding that scales its output). Describe the "
+        f"or the parallel version skips work the module does (an embedding that scales its output). A gradient "
+        f"that differs while the output matches means a sum over ranks is missing or doubled (a replicated "
+        f"parameter that sees only this rank's heads or sequence shard). Describe the "
         f"module with `model_plan` (docs/model_plans.md), use a layout without the dimension that splits it, or "
         f"pass FiveDStrategy(verify='off') (l5d train: parallel.verify=off) to train anyway on these numbers."
     )

@@ -40,6 +40,9 @@ class Record:
     kwargs: dict = field(default_factory=dict)
     output: Any = None
     done: bool = False
+    # The output still attached to the parallel model's graph (pieces only, when gradients are
+    # compared): the piece's own backward starts from it.
+    live_output: Any = None
 
 
 def probe_ids(vocab_size: int, rows: int, seq_len: int, device: torch.device) -> Tensor:
@@ -60,7 +63,7 @@ class Recorder:
         self.records: dict[str, Record] = {}
         self._handles: list = []
 
-    def watch(self, path: str, module: nn.Module, inputs: bool) -> None:
+    def watch(self, path: str, module: nn.Module, inputs: bool, keep_graph: bool = False) -> None:
         record = self.records.setdefault(path, Record())
 
         # One forward hook: torch hands it the arguments as every pre-hook left them (tp's
@@ -68,9 +71,15 @@ class Recorder:
         def after(_m: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if record.done:
                 return
+            if keep_graph and not torch.is_grad_enabled():
+                # The pipeline's shape probe runs the first stage up to the first block without
+                # gradients; the piece's backward needs the call of the real forward that follows.
+                return
             if inputs:
                 record.args, record.kwargs = _detached(args), _detached(kwargs)
             record.output, record.done = _detached(output), True
+            if keep_graph:
+                record.live_output = output
 
         self._handles.append(module.register_forward_hook(after, with_kwargs=True))
 
@@ -171,10 +180,12 @@ def run_probe(
     module: nn.Module,
     batch: dict[str, Tensor],
     forward: Callable[[dict[str, Tensor]], None],
+    grad: bool = False,
 ) -> None:
-    """``forward(batch)`` without gradients; a failure becomes a :class:`ProbeError` with the way out."""
+    """``forward(batch)`` (building the graph when ``grad``: the pieces' gradients are compared
+    after it); a failure becomes a :class:`ProbeError` with the way out."""
     try:
-        with torch.no_grad():
+        with torch.set_grad_enabled(grad):
             forward(batch)
     except ProbeError:
         raise

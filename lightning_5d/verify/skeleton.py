@@ -82,8 +82,9 @@ def tensor_names(module: nn.Module) -> list[str]:
     return names + [n for n, _ in module.named_buffers(remove_duplicate=False)]
 
 
-def materialize(piece: Piece, full: Mapping[str, Tensor], device: torch.device) -> nn.Module:
-    """The unparallelized piece in fp32 on ``device``, holding the full tensors ``full`` (by name)."""
+def materialize(piece: Piece, full: Mapping[str, Tensor], device: torch.device, trainable: bool = False) -> nn.Module:
+    """The unparallelized piece in fp32 on ``device``, holding the full tensors ``full`` (by name);
+    ``trainable``: its parameters require gradients as the model's did (for the backward check)."""
     reference = copy.deepcopy(piece.copy).to_empty(device=device)
     with torch.no_grad():
         for name in tensor_names(reference):
@@ -94,7 +95,8 @@ def materialize(piece: Piece, full: Mapping[str, Tensor], device: torch.device) 
                 value = value.float()
             current = getattr(owner, leaf)
             if isinstance(current, nn.Parameter):
-                setattr(owner, leaf, nn.Parameter(value.clone(), requires_grad=False))
+                wanted = trainable and current.requires_grad and value.is_floating_point()
+                setattr(owner, leaf, nn.Parameter(value.clone(), requires_grad=wanted))
             else:
                 setattr(owner, leaf, value.clone())
     return reference.eval() if not piece.copy.training else reference

@@ -14,10 +14,10 @@ from tests_support import SCRIPTS, run_distributed
 # Correct layouts are also checked by every other multi-process test: the verifier is on by
 # default, so each of their setups must pass it. Here the fast tier breaks plans on purpose;
 # the SP case also shows blocks and head passing next to the wrong embedding.
-FAST = ["interleaved_qkv_tp2_guessed", "scaled_embedding_tp2_sp"]
+FAST = ["interleaved_qkv_tp2_guessed", "scaled_embedding_tp2_sp", "head_norm_tp2_unsummed"]
 EXTENDED = ["tp2", "tp2_sp", "zero3", "cp2", "pp2", "scaled_embedding_tp2", "fused_gate_up_tp2",
             "interleaved_qkv_tp2", "fused_gate_up_tp2_cut_plain", "fused_gate_up_tp2_cut_plain_off",
-            "scaled_embedding_cp2"]
+            "scaled_embedding_cp2", "head_norm_tp2"]
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +58,12 @@ def test_verifier_fast(outcomes, case):
         # finishes first, the attention module with it) is not.
         assert "first wrong output in execution order: model.layers.0.attention.o_proj:" in error
         assert "matching: model.layers.0.attention.qkv" in error
+    if case == "head_norm_tp2_unsummed":
+        # Outputs match; the backward finds the per-head norms' gradients (only this rank's heads' part).
+        assert "block 0 (model.layers.0): the output matches" in error, error
+        assert "gradient of model.layers.0.attention.q_norm.weight" in error, error
+        assert "gradient of model.layers.0.attention.k_norm.weight" in error, error
+        assert "gradient of model.layers.0.attention.q_proj.weight" not in error, error
 
 
 def check_fused_gate_up(error: str) -> None:

@@ -12,12 +12,13 @@ import pytest
 
 from zoo_matrix import BY_ID, outcome_of, run_cells
 
-# Four models of four styles under four layouts, each passing today, all on 2 processes (one launch):
+# Four models of four styles under five layouts, each passing today, all on 2 processes (one launch):
 FAST = [
     "kwargs_forward__tp2psp",  # hand-written, keyword-only forwards, q/k/v biases: tp + sequence parallelism
     "phi3__cp2",  # Hugging Face Phi-3 (fused qkv_proj and gate_up_proj): context parallelism
     "torch_encoder__zero3",  # nn.TransformerEncoder / nn.MultiheadAttention: ZeRO-3
     "olmo2__pp2",  # Hugging Face OLMo-2 (full-width q/k norms, post-norms): pipeline parallelism
+    "olmo2__tp2",  # the same under tp: the full-width q/k norms as tp-distributed RMSNorms
 ]
 
 
@@ -57,6 +58,8 @@ def test_zoo_cell(zoo_run, cell_id):
 @pytest.mark.parametrize("cell_id", list(BY_ID))
 def test_zoo_matrix(zoo_run, cell_id):
     pytest.importorskip("transformers")
+    if BY_ID[cell_id]["model"] == "einops_style":
+        pytest.importorskip("einops")
     outcome = zoo_run(cell_id)
     assert outcome["status"] in ("pass", "refused"), describe(outcome)
 

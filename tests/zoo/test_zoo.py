@@ -12,6 +12,8 @@ import zoo
 def test_zoo_model_is_a_seeded_causal_lm(name):
     if name in zoo.HUGGING_FACE:
         pytest.importorskip("transformers")
+    if name == "einops_style":
+        pytest.importorskip("einops")
     L.seed_everything(0, verbose=False)
     model = zoo.build(name).eval()
     L.seed_everything(0, verbose=False)

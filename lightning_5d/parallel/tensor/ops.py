@@ -7,6 +7,7 @@ its conjugate in backward:
     g   reduce out of the TP region    fwd: all-reduce        bwd: identity
     f*  gather into the TP region (SP) fwd: all-gather (seq)  bwd: reduce-scatter (seq)
     g*  reduce-scatter out of it (SP)  fwd: reduce-scatter    bwd: all-gather (seq)
+    sum a statistic over the columns   fwd: all-reduce        bwd: all-reduce
 
 and, at the two ends of the sequence-parallel stretch of the model,
 
@@ -99,6 +100,13 @@ _GatherIntoTP = _conjugate_pair("_GatherIntoTP", all_gather_sequence, _reduce_sc
 _ReduceScatterFromTP = _conjugate_pair("_ReduceScatterFromTP", _reduce_scatter_seq, all_gather_sequence)  # g*
 _ScatterToSP = _conjugate_pair("_ScatterToSP", _own_chunk, all_gather_sequence)
 _GatherFromSP = _conjugate_pair("_GatherFromSP", all_gather_sequence, _own_chunk)
+_SumOverTP = _conjugate_pair("_SumOverTP", _sum, _sum)  # a statistic every rank's columns use
+
+
+def sum_over_tp(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """A sum of per-rank partial statistics that each rank then uses on its own columns (a width
+    norm's sum of squares): the gradient of the sum is every rank's part, so backward sums too."""
+    return _SumOverTP.apply(x, 1, group)
 
 
 def copy_to_tp(x: Tensor, group: dist.ProcessGroup) -> Tensor:

@@ -41,6 +41,7 @@ from lightning_5d.config import LayoutError
 from lightning_5d.parallel.tensor import ops as tensor_ops
 from lightning_5d.parallel.tensor.regather import RegatherRegion
 from lightning_5d.parallel.tensor.vocab import vocab_parallel_forward, vocab_range
+from lightning_5d.parallel.tensor.width_norm import distributed_rms_forward, find_width_norms
 from lightning_5d.plan import paths
 from lightning_5d.plan.blocks import ModelMappingError
 from lightning_5d.plan.model_plan import ColumnLayout, ModelPlan, Projection, ProjectionKind
@@ -313,6 +314,7 @@ class TensorParallel:
             for attr in att.head_attributes:
                 setattr(attention, attr, getattr(attention, attr) // self.size)
             _localize_config(attention, att.num_heads, att.num_kv_heads, self.size)
+            self._width_norms(block, plan.block_path(i), att)
             self._enter_region(attention, f"{plan.block_path(i)}.{att.path}")
             if block_plan.mlp is not None:
                 for p in block_plan.mlp.column:
@@ -345,6 +347,23 @@ class TensorParallel:
         # tp-local tensor alive after ZeRO-3 (FSDP2) replaces the parameters with its shards.
         self._replaced.clear()
         self._cut_of.clear()
+
+    def _width_norms(self, block: nn.Module, prefix: str, att) -> None:
+        """Norms over a q/k projection's full width: cut like its columns, statistics summed over tp."""
+        head_dim = att.head_dim or 0
+        widths = {att.num_heads * head_dim, (att.num_kv_heads or att.num_heads) * head_dim} - {0}
+        for norm in find_width_norms(block, att.path, widths, head_dim):
+            module = block.get_submodule(norm.path)
+            if norm.eps is None:
+                raise TensorParallelError(
+                    f"tp={self.size} cuts the columns that {prefix}.{norm.path} ({type(module).__name__}) normalizes "
+                    f"over their full width ({norm.width} features), and its forward is not an RMSNorm "
+                    f"(w * x / sqrt(mean(x^2) + eps), checked on a random input), the one width norm tensor "
+                    f"parallelism computes from per-rank statistics. Use tp=1 for this model (cp, pp and ZeRO do "
+                    f"not cut projections)."
+                )
+            self._shard_param(module, "weight", TensorShard(0))
+            module.forward = distributed_rms_forward(module, norm, self.group)
 
     def _mark_sequence_partial(self, block: nn.Module, prefix: str, block_plan) -> None:
         inside = [block_plan.attention.path] + ([block_plan.mlp.path] if block_plan.mlp else [])

@@ -20,7 +20,8 @@ from lightning_5d.plan import observe as observation
 from lightning_5d.plan.model_plan import ColumnLayout
 from lightning_5d.verify import PlanVerificationError
 from tests_support import make_datamodule
-from verify_models import FusedGateUpLM, InterleavedQKVLM, MarkedLM, ScaledEmbeddingLM
+from lightning_5d.parallel.tensor.sharding import TensorParallel
+from verify_models import FusedGateUpLM, HeadNormLM, InterleavedQKVLM, MarkedLM, ScaledEmbeddingLM
 
 # name -> (module class, FiveDStrategy keyword arguments, expected outcome)
 CASES = {
@@ -35,6 +36,7 @@ CASES = {
     "fused_gate_up_tp2": (FusedGateUpLM, {"tp": 2, "model_plan": FusedGateUpLM.PLAN}, "pass"),
     "interleaved_qkv_tp2": (InterleavedQKVLM, {"tp": 2}, "pass"),
     "scaled_embedding_cp2": (ScaledEmbeddingLM, {"cp": 2}, "pass"),  # cp keeps the subclass's forward
+    "head_norm_tp2": (HeadNormLM, {"tp": 2}, "pass"),  # per-head q/k norms: gradients summed over tp
     # Broken on purpose (the plans these models got before discovery observed the forward):
     # "_guessed" skips the probe, so the per-head interleaved qkv is read as [q|k|v] side by
     # side; "_cut_plain" declares [gate|up] one plain tensor, cut into contiguous halves.
@@ -44,6 +46,9 @@ CASES = {
     "fused_gate_up_tp2_cut_plain_off": (
         FusedGateUpLM, {"tp": 2, "model_plan": FusedGateUpLM.PLAN, "verify": "off"}, "pass"
     ),  # fmt: skip
+    # The per-head q/k norms' gradients left as this rank's part (tp's sum over its ranks skipped):
+    # the forward is exact, only the gradients are wrong; the verifier's backward must stop setup.
+    "head_norm_tp2_unsummed": (HeadNormLM, {"tp": 2}, "fail"),
 }
 
 
@@ -73,10 +78,16 @@ args = parser.parse_args()
 
 rank = int(os.environ.get("RANK", "0"))
 real_observe = observation.observe
+real_mark_head_partial = TensorParallel._mark_head_partial
+
+
+def unsummed(self, block, prefix, block_plan):
+    """tp's mark of the per-head norms' partial gradients, skipped: no sum over tp."""
 lines = []
 for name in args.cases.split(","):
     cls, kwargs, expected = CASES[name]
     observation.observe = next((f for tag, f in SABOTAGE.items() if tag in name), real_observe)
+    TensorParallel._mark_head_partial = unsummed if "_unsummed" in name else real_mark_head_partial
     torch.manual_seed(0)
     module = cls()
     trainer = L.Trainer(

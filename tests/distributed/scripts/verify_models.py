@@ -113,3 +113,42 @@ class InterleavedQKVLM(MarkedLM):
             nn.init.normal_(attention.qkv.weight, std=cfg.init_std)
             nn.init.normal_(attention.o_proj.weight, std=cfg.init_std)
             layer.attention = attention
+
+
+class HeadNormAttention(nn.Module):
+    """Qwen3's q/k norm: an RMSNorm over each head's ``head_dim`` features, applied to q and k
+    after the projections (no rotary, to keep it small). Under tp each rank's norm sees only its
+    heads, so its weights' gradients are this rank's part of a sum over tp."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.head_dim = hidden // heads
+        self.q_proj = nn.Linear(hidden, hidden, bias=False)
+        self.k_proj = nn.Linear(hidden, hidden, bias=False)
+        self.v_proj = nn.Linear(hidden, hidden, bias=False)
+        self.o_proj = nn.Linear(hidden, hidden, bias=False)
+        self.q_norm = nn.RMSNorm(self.head_dim)
+        self.k_norm = nn.RMSNorm(self.head_dim)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, s, -1, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, s, -1, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class HeadNormLM(MarkedLM):
+    def __init__(self, config=MODELS["tiny_kv4"], **kwargs):
+        super().__init__(config, **kwargs)
+        cfg = self.model.config
+        torch.manual_seed(13)
+        for layer in self.model.layers:
+            attention = HeadNormAttention(cfg.hidden_size, cfg.num_heads)
+            for proj in (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj):
+                nn.init.normal_(proj.weight, std=cfg.init_std)
+            with torch.no_grad():  # not all ones: a wrong gradient should not hide behind a symmetric weight
+                attention.q_norm.weight.uniform_(0.5, 1.5)
+                attention.k_norm.weight.uniform_(0.5, 1.5)
+            layer.attention = attention

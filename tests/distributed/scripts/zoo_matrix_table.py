@@ -65,8 +65,8 @@ def render(outcomes: list[dict], run: dict, note_text: str) -> str:
         "each in the obvious LightningModule (`zoo.adapter.ZooLM`: cross entropy from the batch's aligned labels, "
         f"AdamW) or, for `direct_lm`, holding its parameters on the LightningModule itself. "
         f"{len(zoo.MODELS) - len(zoo.HUGGING_FACE)} are hand-written in the styles people use; "
-        f"{len(zoo.HUGGING_FACE)} are Hugging Face families beyond the four above. The einops style is not in the "
-        "zoo: `einops` is not installed in the project's environment.",
+        f"{len(zoo.HUGGING_FACE)} are Hugging Face families beyond the four above. `einops_style` needs `einops` "
+        "(in the `dev` extra).",
         "",
         "| model | what makes it different |",
         "|---|---|",

@@ -71,5 +71,18 @@ def test_message_names_piece_first_and_worst_output_and_the_way_out():
 def test_verify_setting_is_an_enum_with_a_clear_error():
     assert ParallelConfig().verify == VerifyMode.BLOCKS
     assert ParallelConfig(verify="off").verify == VerifyMode.OFF
-    with pytest.raises(LayoutError, match=r"verify=True is not valid.*'blocks', 'off'"):
+    assert ParallelConfig(verify="outputs").verify == VerifyMode.OUTPUTS
+    with pytest.raises(LayoutError, match=r"verify=True is not valid.*'blocks', 'outputs', 'off'"):
         ParallelConfig(verify=True)
+
+
+def test_a_gradient_off_fails_the_piece_and_is_named_while_the_output_matches():
+    tol = tolerance_for(torch.float32)
+    grads = (("m.layers.0.attn.q_norm.weight", Difference(0.5, 0.5)), ("m.layers.0.attn.q_proj.weight", Difference(0, 1e-7)))
+    result = PieceResult("block 0", "m.layers.0", Difference(1e-7, 1e-7), tol, grads=grads)
+    assert result.failed and result.worst_relative() == 0.5
+    text = mismatch_message([result], "tp=2")
+    assert "block 0 (m.layers.0): the output matches" in text
+    assert "gradient of m.layers.0.attn.q_norm.weight: relative error 0.5" in text
+    assert "matching gradients: m.layers.0.attn.q_proj.weight" in text
+    assert not PieceResult("block 0", "m.layers.0", Difference(0, 0), tol, grads=grads[1:]).failed
