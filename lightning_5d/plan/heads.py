@@ -13,7 +13,7 @@ from torch import nn
 
 from lightning_5d.plan import paths
 
-HEADS_NAMES = ("num_attention_heads", "num_heads", "n_heads", "n_head")
+HEADS_NAMES = ("num_attention_heads", "num_heads", "n_heads", "n_head", "heads")  # `heads`: einops-style code
 KV_HEADS_NAMES = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
 HEAD_DIM_NAMES = ("head_dim",)
 
@@ -22,6 +22,7 @@ HEAD_DIM_NAMES = ("head_dim",)
 # num_key_value_groups and per-head sizes such as head_dim stay as they are.
 HEAD_ATTRIBUTE_NAMES = (
     "num_heads",
+    "heads",
     "n_heads",
     "num_attention_heads",
     "n_head",
