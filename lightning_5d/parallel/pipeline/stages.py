@@ -339,7 +339,7 @@ class PipelineParallel:
     def _placed(self, spec: StageSpec, incoming: Tensor | None) -> Generator[None, None, None]:
         """The module as stage ``spec`` sees it, for one forward."""
         blocks = [self._all_blocks[str(i)] for i in spec.blocks]
-        self._container._modules = {str(i): self._all_blocks[str(i)] for i in spec.blocks}
+        self._container._modules = self._stage_view(spec)
         for path in self._first_params:
             self._set(path, self._real[path] if spec.is_first else self._placeholders[path])
         for path in self._last_params:
@@ -357,6 +357,15 @@ class PipelineParallel:
                 h.remove()
             self._incoming, self.running_stage = None, None
             self._rest()
+
+    def _stage_view(self, spec: StageSpec) -> dict[str, nn.Module]:
+        """The block container's entries while stage ``spec`` runs. A list is indexed by position
+        (``nn.TransformerEncoder`` reads ``self.layers[0]``): the stage's blocks from "0". A
+        ModuleDict keeps the global keys the model may look up. Between steps the global keys
+        return (:meth:`_rest`): they name the parameters in state dicts and checkpoints."""
+        if isinstance(self._container, nn.ModuleDict):
+            return {str(i): self._all_blocks[str(i)] for i in spec.blocks}
+        return {str(k): self._all_blocks[str(i)] for k, i in enumerate(spec.blocks)}
 
     def _inject(self, block: nn.Module, args: tuple, kwargs: dict):
         if self._incoming is None:
