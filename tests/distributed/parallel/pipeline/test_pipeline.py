@@ -40,6 +40,8 @@ TIED_CASES = {
     # FSDP2: the two copies' shards summed; the norm counts the weight once; 2 runs per step
     "dp2_pp2_interleaved_zero3_accumulate_clip": spec(4, 2, "interleaved_1f1b", 4, accumulate=2, clip=0.5, zero=3,
                                                       model=TIED),  # fmt: skip
+    # ZeRO-2 engines reduce the summed gradient over dp after the pair's sum; 2 runs per step
+    "dp2_pp2_zero2_accumulate_clip": spec(4, 2, "1f1b", 4, accumulate=2, clip=0.5, zero=2, model=TIED),
     # vocabulary-parallel embedding and head cut the one weight alike on both ends
     "tp2_sp_pp2_interleaved_clip": spec(4, 2, "interleaved_1f1b", 4, tp=2, sp=True, clip=0.5, model=TIED),
     # zero bubble (split weight gradients), the ends on two ranks
