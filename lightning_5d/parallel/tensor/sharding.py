@@ -142,7 +142,7 @@ def _check_heads(plan: ModelPlan, i: int, att, tp: int, where: str, need: Callab
             f"tp={tp} cannot cut {plan.block_path(i)}.{att.path} (nn.MultiheadAttention): torch's "
             f"F.multi_head_attention_forward unpacks in_proj_weight as 3 x embed_dim rows and splits heads by "
             f"embed_dim // num_heads, so a tp rank's slice of the heads cannot run through it. Use tp=1 for this "
-            f"model (ZeRO-3, pp, cp and FP8 run it unchanged), or write the attention with separate q/k/v "
+            f"model (ZeRO-3 and pp run it unchanged), or write the attention with separate q/k/v "
             f"nn.Linear layers and F.scaled_dot_product_attention."
         )
     if not att.num_heads:
