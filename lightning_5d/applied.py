@@ -41,6 +41,7 @@ class AppliedDimensions:
     fsdp_units: list = field(default_factory=list)  # ZeRO-3 (FSDP2) units
     _tp_sharded: set[int] = field(default_factory=set)  # ids of parameters (and masters) clipping sees
     _experts: set[int] = field(default_factory=set)
+    _tied_copies: set[int] = field(default_factory=set)  # a tied weight's copy another pp rank counts
 
     # ------------------------------------------------------------------ re-entry
     def already_applied(self, module: nn.Module) -> bool:
@@ -200,10 +201,11 @@ class AppliedDimensions:
             names.update(precision.master_names(module))
         self._tp_sharded = {i for i, n in names.items() if self.tp is not None and self.tp.is_sharded(n)}
         self._experts = {i for i, n in names.items() if self.ep is not None and self.ep.is_expert(n)}
+        self._tied_copies = {i for i, n in names.items() if self.pp is not None and self.pp.counts_elsewhere(n)}
 
     def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        sharded, experts = self._tp_sharded, self._experts
+        sharded, experts, copies = self._tp_sharded, self._experts, self._tied_copies
         clip_grad_norm_(
             params,
             float(clip_val),
@@ -212,6 +214,7 @@ class AppliedDimensions:
             stage_group=self.pp.group if self.pp is not None else None,
             is_expert=lambda p: id(p) in experts,
             expert_group=self.ep.group if self.ep is not None else None,
+            counted_elsewhere=lambda p: id(p) in copies,
         )
 
 

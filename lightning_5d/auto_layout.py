@@ -64,7 +64,8 @@ def _observed_spec(module: nn.Module, model_plan):
         raise ModelMappingError("the planner reads the MLP width of the first block, and discovery found no MLP there")
     row = module.get_submodule(f"{plan.block_path(0)}.{first.mlp.row[0].path}")
     gated = len(first.mlp.column) == 2 or bool(first.mlp.column[0].segments)
-    heads = first.attention.num_heads or 1
+    attention = next(a for _, a in plan.attentions)  # an alternating list's first entry may be its MLP
+    heads = attention.num_heads or 1
     try:
         return ModelSpec(
             vocab_size=plan.vocab_size,
@@ -72,8 +73,8 @@ def _observed_spec(module: nn.Module, model_plan):
             intermediate_size=in_features(row),
             num_layers=plan.num_blocks,
             num_heads=heads,
-            num_kv_heads=first.attention.num_kv_heads or heads,
-            head_dim=first.attention.head_dim or plan.hidden_size,
+            num_kv_heads=attention.num_kv_heads or heads,
+            head_dim=attention.head_dim or plan.hidden_size,
             tie_embeddings=plan.tied_head,
             learned_positions=plan.position_embedding is not None,
             mlp=MlpKind.SWIGLU if gated else MlpKind.GELU,

@@ -101,6 +101,15 @@ class ParallelMesh:
         ring, _ = dist.new_subgroups_by_enumeration([c.tolist() for g in rows for c in g.t()])
         return uly, ring
 
+    def pipe_pair_group(self, first: int, last: int) -> dist.ProcessGroup:
+        """This rank's group of two pp ranks ``first`` and ``last`` of its own pipe (tied
+        embeddings: the first and the last stage's ranks). Every rank creates every pipe's pair."""
+        lay = self.layout
+        ranks = self.root.mesh.permute([lay.rank_order.index(d) for d in _CANONICAL])  # pp is dim 0
+        pipes = ranks.permute(1, 2, 3, 4, 0).reshape(-1, lay.pp)
+        group, _ = dist.new_subgroups_by_enumeration([[int(p[first]), int(p[last])] for p in pipes])
+        return group
+
     @property
     def data_rank(self) -> int:
         """Which shard of the data this rank reads (tp/cp/pp peers read the same one)."""

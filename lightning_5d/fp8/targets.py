@@ -30,7 +30,9 @@ def fp8_targets(
     for i, block in enumerate(plan.block_plans):
         prefix = plan.block_path(i)
         attention = block.attention
-        projections = list(attention.column) + list(attention.row)
+        # nn.MultiheadAttention multiplies by in_proj_weight and out_proj.weight itself: no FP8 linear there.
+        keep = attention is not None and not attention.packed
+        projections = list(attention.column) + list(attention.row) if keep else []
         if block.mlp is not None:
             projections += list(block.mlp.column) + list(block.mlp.row)
         for p in projections:

@@ -41,10 +41,13 @@ def total_grad_norm(
     stage_group: dist.ProcessGroup | None = None,
     is_expert: Callable[[Tensor], bool] | None = None,
     expert_group: dist.ProcessGroup | None = None,
+    counted_elsewhere: Callable[[Tensor], bool] | None = None,
 ) -> Tensor:
     """``stage_group``: ranks holding disjoint parameters (pipeline stages), whose parts add up;
-    ``expert_group``: the ep ranks, whose ``is_expert`` parameters are disjoint too."""
-    params = [p for p in parameters if p.grad is not None]
+    ``expert_group``: the ep ranks, whose ``is_expert`` parameters are disjoint too;
+    ``counted_elsewhere``: copies another stage counts (a tied embedding on the last stage)."""
+    elsewhere = counted_elsewhere or (lambda p: False)
+    params = [p for p in parameters if p.grad is not None and not elsewhere(p)]
     is_expert = is_expert or (lambda p: False)
     sharded = [p.grad for p in params if is_tp_sharded(p)]
     routed = [p.grad for p in params if is_expert(p) and not is_tp_sharded(p)]
@@ -83,10 +86,14 @@ def clip_grad_norm_(
     stage_group: dist.ProcessGroup | None = None,
     is_expert: Callable[[Tensor], bool] | None = None,
     expert_group: dist.ProcessGroup | None = None,
+    counted_elsewhere: Callable[[Tensor], bool] | None = None,
 ) -> Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` with the global norm of :func:`total_grad_norm`."""
+    """``torch.nn.utils.clip_grad_norm_`` with the global norm of :func:`total_grad_norm`; every
+    parameter is scaled, ``counted_elsewhere`` ones (still) without entering the norm here."""
     params = [p for p in parameters if p.grad is not None]
-    total = total_grad_norm(params, is_tp_sharded, tp_group, norm_type, stage_group, is_expert, expert_group)
+    total = total_grad_norm(
+        params, is_tp_sharded, tp_group, norm_type, stage_group, is_expert, expert_group, counted_elsewhere
+    )
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
         g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad

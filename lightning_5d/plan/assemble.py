@@ -61,6 +61,8 @@ def build(
             block_plans.append(_block_plan(root, top, index, hints, all_notes))
         except _Unmappable as problem:
             _fail(root, top, hints, str(problem))
+    if block_plans and all(b.attention is None for b in block_plans):
+        _fail(root, top, blocks[0], f"no attention projections found in any block of {top.blocks}")
     bare = [str(i) for i, b in enumerate(block_plans) if b.mlp is None and b.moe is None]
     if bare:
         all_notes.append(f"no MLP or MoE found in block(s) {', '.join(bare)}")
@@ -116,12 +118,25 @@ def _block_plan(root: nn.Module, top: TopHints, index: int, hints: BlockHints, n
     where = paths.join(top.blocks, str(index))
     block = root.get_submodule(where)
     moe = _moe_plan(root, block, where, hints, notes)
+    mlp = _outside_moe(_mlp_plan(block, where, hints), moe, notes)
+    if _no_attention(hints) and (mlp is not None or moe is not None):
+        # One entry of a list that alternates attention and MLP entries: its MLP half.
+        notes.append(f"block {where} has no attention (a feed-forward entry of the block list)")
+        attention = None
+    else:
+        attention = _attention_plan(block, where, hints, notes)
     return BlockPlan(
-        attention=_attention_plan(block, where, hints, notes),
-        mlp=_outside_moe(_mlp_plan(block, where, hints), moe, notes),
+        attention=attention,
+        mlp=mlp,
         moe=moe,
         norms=hints.norms,
     )
+
+
+def _no_attention(hints: BlockHints) -> bool:
+    # Projections only: a model_plan pattern like "layers.*.fn.fn": attention(heads=4) also names
+    # the MLP entries' module at that path, which holds no attention projection.
+    return not any((hints.q, hints.k, hints.v, hints.qkv, hints.o))
 
 
 def _projection(block: nn.Module, path: str, segments: tuple[int, ...] = ()) -> Projection:

@@ -70,7 +70,7 @@ def _attention_rows(a: AttentionPlan) -> list[str]:
 
 
 def _block_rows(block: BlockPlan) -> list[str]:
-    rows = _attention_rows(block.attention)
+    rows = _attention_rows(block.attention) if block.attention is not None else [_row("attention", "none")]
     if block.mlp is not None:
         rows += [
             _row("mlp", block.mlp.path or "(the block)"),

@@ -23,6 +23,7 @@ HEAD_DIM_NAMES = ("head_dim",)
 # num_key_value_groups and per-head sizes such as head_dim stay as they are.
 HEAD_ATTRIBUTE_NAMES = (
     "num_heads",
+    "heads",
     "n_heads",
     "num_attention_heads",
     "n_head",

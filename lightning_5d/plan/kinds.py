@@ -13,7 +13,11 @@ from lightning_5d.plan.model_plan import ProjectionKind
 
 
 def projection_kind(module: nn.Module) -> ProjectionKind | None:
-    """LINEAR or CONV1D for a layer a tensor-parallel plan can shard, else None."""
+    """LINEAR or CONV1D for a layer a tensor-parallel plan can shard, PACKED_IN_PROJ for an
+    nn.MultiheadAttention with one in_proj_weight, else None."""
+    if isinstance(module, nn.MultiheadAttention):
+        packed = module._qkv_same_embed_dim and module.in_proj_weight is not None
+        return ProjectionKind.PACKED_IN_PROJ if packed else None
     if isinstance(module, nn.Linear):
         return ProjectionKind.LINEAR
     weight = getattr(module, "weight", None)
@@ -34,14 +38,20 @@ def is_projection(module: nn.Module) -> bool:
 
 
 def in_features(module: nn.Module) -> int:
-    if projection_kind(module) is ProjectionKind.CONV1D:
+    kind = projection_kind(module)
+    if kind is ProjectionKind.CONV1D:
         return int(module.nx)
+    if kind is ProjectionKind.PACKED_IN_PROJ:
+        return int(module.embed_dim)
     return int(module.in_features)
 
 
 def out_features(module: nn.Module) -> int:
-    if projection_kind(module) is ProjectionKind.CONV1D:
+    kind = projection_kind(module)
+    if kind is ProjectionKind.CONV1D:
         return int(module.nf)
+    if kind is ProjectionKind.PACKED_IN_PROJ:
+        return 3 * int(module.embed_dim)
     return int(module.out_features)
 
 

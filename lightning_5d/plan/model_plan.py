@@ -28,6 +28,9 @@ class PlanSource(str, Enum):
 class ProjectionKind(str, Enum):
     LINEAR = "linear"  # nn.Linear-like: weight [out, in], y = x W^T + b
     CONV1D = "conv1d"  # GPT-2's transformers.pytorch_utils.Conv1D: weight [in, out], y = x W + b
+    # nn.MultiheadAttention itself: its in_proj_weight [3E, E] is a fused [q|k|v]; torch's
+    # F.multi_head_attention_forward applies it (and out_proj's weight) inside one call
+    PACKED_IN_PROJ = "packed_in_proj"
 
 
 class AttentionKernel(str, Enum):
@@ -96,6 +99,11 @@ class AttentionPlan:
         return tuple(p for p in (self.q, self.k, self.v, self.qkv) if p is not None)
 
     @property
+    def packed(self) -> bool:
+        """nn.MultiheadAttention: q/k/v in its in_proj_weight; its projections run inside one torch call."""
+        return self.qkv is not None and self.qkv.kind is ProjectionKind.PACKED_IN_PROJ
+
+    @property
     def row(self) -> tuple[Projection, ...]:
         return (self.o,)
 
@@ -130,7 +138,8 @@ class MoEPlan:
 
 @dataclass(frozen=True)
 class BlockPlan:
-    attention: AttentionPlan
+    # None: an entry of a block list that alternates attention and MLP entries (its MLP one)
+    attention: AttentionPlan | None
     mlp: MLPPlan | None = None
     moe: MoEPlan | None = None
     norms: tuple[str, ...] = ()  # norm modules directly in the block (not inside attention/MLP)
@@ -163,6 +172,11 @@ class ModelPlan:
     def blocks_of(self, root: nn.Module) -> list[nn.Module]:
         # children(), not iteration: an nn.ModuleDict of blocks iterates over its keys.
         return list(root.get_submodule(self.blocks).children())
+
+    @property
+    def attentions(self) -> list[tuple[int, "AttentionPlan"]]:
+        """(block index, attention) of every block that has one."""
+        return [(i, b.attention) for i, b in enumerate(self.block_plans) if b.attention is not None]
 
     @property
     def has_moe(self) -> bool:

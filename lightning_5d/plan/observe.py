@@ -83,7 +83,8 @@ def _targets(plan: ModelPlan) -> dict[tuple[int, str], tuple[str, str]]:
     """(block, "qkv" | "mlp") -> (fused path, row path), both relative to the block."""
     found = {}
     for i, b in enumerate(plan.block_plans):
-        if b.attention.qkv is not None and b.attention.num_heads:
+        att = b.attention
+        if att is not None and att.qkv is not None and att.num_heads and not att.packed:
             found[(i, "qkv")] = (b.attention.qkv.path, b.attention.o.path)
         if b.mlp is not None and len(b.mlp.column) == 1 and b.mlp.column[0].segments and len(b.mlp.row) == 1:
             found[(i, "mlp")] = (b.mlp.column[0].path, b.mlp.row[0].path)

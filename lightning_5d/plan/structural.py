@@ -13,6 +13,7 @@ from lightning_5d.plan import kinds, moe_parts, paths
 from lightning_5d.plan.blocks import find_blocks
 from lightning_5d.plan.heads import declared
 from lightning_5d.plan.hints import BlockHints, TopHints
+from lightning_5d.plan.model_plan import ProjectionKind
 
 # Leaf names (lower case) of the layers in common code bases.
 Q_NAMES = frozenset(
@@ -199,6 +200,10 @@ def _find_attention(layers: dict[str, nn.Module], given: BlockHints, found: Bloc
     elif qkv:
         found.qkv = anchor = qkv[0]
     else:
+        packed = [p for p, m in layers.items() if kinds.projection_kind(m) is ProjectionKind.PACKED_IN_PROJ]
+        if packed:  # nn.MultiheadAttention: the module is the attention and its fused in-projection
+            found.qkv = found.attention = packed[0]
+            found.o = paths.join(packed[0], "out_proj")
         return
     found.attention = paths.parent(anchor) if given.attention is None else given.attention
     found.o = _output_projection(layers, anchor)
@@ -229,14 +234,25 @@ def _find_mlp(
         rest = {p: m for p, m in rest.items() if paths.is_within(p, given.mlp)}
     column = [p for p in rest if paths.leaf(p).lower() in COLUMN_NAMES - ROW_NAMES]
     row = [p for p in rest if paths.leaf(p).lower() in ROW_NAMES - COLUMN_NAMES]
-    if not (column and row) and hidden is not None and attention is not None:
+    if not (column and row) and hidden is not None:
         # Unfamiliar names: an MLP widens from the hidden size and narrows back to it.
-        # Only once the attention is known, or its fused qkv would look like a widening.
-        column = [p for p, m in rest.items() if _widens(m, hidden)]
-        row = [p for p, m in rest.items() if _narrows(m, hidden)]
+        # Once the attention is known; or, in a block without one (the feed-forward entry of a
+        # list alternating attention and MLP entries), only the plain shape of an MLP - one or
+        # two widening layers whose width the one narrowing layer takes - lest a fused qkv and
+        # its output projection be read as one.
+        widening = [p for p, m in rest.items() if _widens(m, hidden)]
+        narrowing = [p for p, m in rest.items() if _narrows(m, hidden)]
+        if attention is not None or _plain_mlp([rest[p] for p in widening], [rest[p] for p in narrowing]):
+            column, row = widening, narrowing
     if column and row:
         found.mlp_column, found.mlp_row = tuple(column), tuple(row)
         found.mlp = paths.common_parent(column + row)
+
+
+def _plain_mlp(column: list[nn.Module], row: list[nn.Module]) -> bool:
+    if not 1 <= len(column) <= 2 or len(row) != 1:
+        return False
+    return all(kinds.out_features(c) == kinds.in_features(row[0]) for c in column)
 
 
 def _widens(m: nn.Module, hidden: int) -> bool:

@@ -109,10 +109,12 @@ def inner_paths(piece: Piece) -> list[tuple[str, tuple[int, ...] | None]]:
         return []
     found: list[tuple[str, tuple[int, ...] | None]] = []
     att = plan.attention
-    for p in att.column:
-        found.append((p.path, p.segments))
-    found.append((att.o.path, None))
-    found.append((att.path, None))
+    if att is not None:  # None: a feed-forward entry of an alternating block list
+        if not att.packed:  # nn.MultiheadAttention never calls its out_proj module: the whole attention only
+            for p in att.column:
+                found.append((p.path, p.segments))
+            found.append((att.o.path, None))
+        found.append((att.path, None))
     if plan.mlp is not None:
         found.extend((p.path, p.segments) for p in plan.mlp.column)
         found.extend((p.path, None) for p in plan.mlp.row)

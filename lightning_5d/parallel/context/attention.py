@@ -238,11 +238,11 @@ def route_attention(
     if models:
         route_hugging_face(cp, models)
         return f"Hugging Face attention interface '{HF_IMPLEMENTATION}' (selected during steps)"
-    for i, block in enumerate(plan.block_plans):
-        path = f"{plan.block_path(i)}.{block.attention.path}"
+    for i, att in plan.attentions:
+        path = f"{plan.block_path(i)}.{att.path}"
         attention = module.get_submodule(path)
         where = f"{path} ({type(attention).__name__})"
-        if block.attention.kernel is AttentionKernel.EXPLICIT_SOFTMAX:
+        if att.kernel is AttentionKernel.EXPLICIT_SOFTMAX:
             raise ContextParallelError(
                 f"{where} computes softmax(QKᵀ)V itself, which ring attention cannot replace; call "
                 f"F.scaled_dot_product_attention in its forward to use cp={cp.size}, or use cp=1."

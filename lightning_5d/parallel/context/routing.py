@@ -62,8 +62,7 @@ class ContextParallel(ContextState):
         self.ulysses_group: Any = None
         self.ring_group: Any = None
         if self.mode is ContextParallelMode.HYBRID:
-            for block in plan.block_plans:
-                att = block.attention
+            for _, att in plan.attentions:
                 check_hybrid(self.size, self.ulysses, (att.num_heads // tp, (att.num_kv_heads or att.num_heads) // tp))
             if hybrid_groups is None:
                 raise ContextParallelError("context.mode='hybrid' needs the mesh's Ulysses and ring groups.")

@@ -116,29 +116,14 @@ def validate_tensor_parallel(plan: ModelPlan, root: nn.Module, tp: int) -> None:
 
     need(plan.vocab_size, "vocab_size")
     for i, block_plan in enumerate(plan.block_plans):
-        att = block_plan.attention
+        att = block_plan.attention  # None: a feed-forward entry of an alternating block list
         where = f"block {plan.block_path(i)}"
-        if not att.num_heads:
-            pattern = paths.join(plan.blocks, "*", att.path)
-            raise ModelMappingError(
-                f"tp={tp} splits attention by heads, but no head count is known for {plan.block_path(i)}.{att.path} "
-                f"(the module keeps none and no config declares num_attention_heads / num_heads / n_head). "
-                f"Give it in the strategy's model_plan, e.g. model_plan={{{pattern!r}: 'attention(heads=<N>)'}} "
-                f"(add kv_heads=<K> for grouped-query attention), or use tp=1."
-            )
-        if att.num_kv_heads and att.num_kv_heads < tp:
-            raise TensorParallelError(
-                f"tp={tp} exceeds the {att.num_kv_heads} key/value heads of {where} (grouped-query "
-                f"attention): each rank needs at least one whole kv head. Use tp in "
-                f"{_divisors(att.num_kv_heads)}; put the other ranks in dp or cp."
-            )
-        need(att.num_heads, f"num_heads of {where}")
-        if att.num_kv_heads:
-            need(att.num_kv_heads, f"num_kv_heads of {where}")
+        if att is not None:
+            _check_heads(plan, i, att, tp, where, need)
         block = root.get_submodule(plan.block_path(i))
         mlp_col = block_plan.mlp.column if block_plan.mlp else ()
         mlp_row = block_plan.mlp.row if block_plan.mlp else ()
-        for p in att.column + mlp_col:
+        for p in (att.column if att else ()) + mlp_col:
             if p.layout is ColumnLayout.UNKNOWN:
                 raise TensorParallelError(
                     f"tp={tp} cannot cut {where}.{p.path}: the probe forward found its fused output features in an "
@@ -148,8 +133,36 @@ def validate_tensor_parallel(plan: ModelPlan, root: nn.Module, tp: int) -> None:
                 )
             for seg in p.segments or (_out_features(block.get_submodule(p.path), p),):
                 need(seg, f"the output features of {where}.{p.path}")
-        for p in att.row + mlp_row:
+        for p in (att.row if att else ()) + mlp_row:
             need(_in_features(block.get_submodule(p.path), p), f"the input features of {where}.{p.path}")
+
+
+def _check_heads(plan: ModelPlan, i: int, att, tp: int, where: str, need: Callable[[int, str], None]) -> None:
+    if att.packed:
+        raise TensorParallelError(
+            f"tp={tp} cannot cut {plan.block_path(i)}.{att.path} (nn.MultiheadAttention): torch's "
+            f"F.multi_head_attention_forward unpacks in_proj_weight as 3 x embed_dim rows and splits heads by "
+            f"embed_dim // num_heads, so a tp rank's slice of the heads cannot run through it. Use tp=1 for this "
+            f"model (ZeRO-3 and pp run it unchanged), or write the attention with separate q/k/v "
+            f"nn.Linear layers and F.scaled_dot_product_attention."
+        )
+    if not att.num_heads:
+        pattern = paths.join(plan.blocks, "*", att.path)
+        raise ModelMappingError(
+            f"tp={tp} splits attention by heads, but no head count is known for {plan.block_path(i)}.{att.path} "
+            f"(the module keeps none and no config declares num_attention_heads / num_heads / n_head). "
+            f"Give it in the strategy's model_plan, e.g. model_plan={{{pattern!r}: 'attention(heads=<N>)'}} "
+            f"(add kv_heads=<K> for grouped-query attention), or use tp=1."
+        )
+    if att.num_kv_heads and att.num_kv_heads < tp:
+        raise TensorParallelError(
+            f"tp={tp} exceeds the {att.num_kv_heads} key/value heads of {where} (grouped-query "
+            f"attention): each rank needs at least one whole kv head. Use tp in "
+            f"{_divisors(att.num_kv_heads)}; put the other ranks in dp or cp."
+        )
+    need(att.num_heads, f"num_heads of {where}")
+    if att.num_kv_heads:
+        need(att.num_kv_heads, f"num_kv_heads of {where}")
 
 
 def _map_hidden_states(args: tuple, kwargs: dict, fn: Callable[[Tensor], Tensor], where: str) -> tuple[tuple, dict]:
@@ -307,15 +320,16 @@ class TensorParallel:
         for i, block_plan in enumerate(plan.block_plans):
             block = root.get_submodule(plan.block_path(i))
             att = block_plan.attention
-            for p in att.column:
-                self._column(block, p)
-            self._row(block, att.o)
-            attention = block.get_submodule(att.path)
-            for attr in att.head_attributes:
-                setattr(attention, attr, getattr(attention, attr) // self.size)
-            _localize_config(attention, att.num_heads, att.num_kv_heads, self.size)
-            self._width_norms(block, plan.block_path(i), att)
-            self._enter_region(attention, f"{plan.block_path(i)}.{att.path}")
+            if att is not None:  # None: a feed-forward entry of an alternating block list
+                for p in att.column:
+                    self._column(block, p)
+                self._row(block, att.o)
+                attention = block.get_submodule(att.path)
+                for attr in att.head_attributes:
+                    setattr(attention, attr, getattr(attention, attr) // self.size)
+                _localize_config(attention, att.num_heads, att.num_kv_heads, self.size)
+                self._width_norms(block, plan.block_path(i), att)
+                self._enter_region(attention, f"{plan.block_path(i)}.{att.path}")
             if block_plan.mlp is not None:
                 for p in block_plan.mlp.column:
                     self._column(block, p)
@@ -366,8 +380,9 @@ class TensorParallel:
             module.forward = distributed_rms_forward(module, norm, self.group)
 
     def _mark_sequence_partial(self, block: nn.Module, prefix: str, block_plan) -> None:
-        inside = [block_plan.attention.path] + ([block_plan.mlp.path] if block_plan.mlp else [])
-        rows = [p.path for p in block_plan.attention.row + (block_plan.mlp.row if block_plan.mlp else ())]
+        att = block_plan.attention
+        inside = ([att.path] if att else []) + ([block_plan.mlp.path] if block_plan.mlp else [])
+        rows = [p.path for p in (att.row if att else ()) + (block_plan.mlp.row if block_plan.mlp else ())]
         for name, _ in block.named_parameters():
             in_region = any(name.startswith(path + ".") for path in inside)
             row_bias = any(name == f"{path}.bias" for path in rows)
@@ -379,6 +394,8 @@ class TensorParallel:
         projection's bias: a q/k norm applied per head (Qwen3, Gemma 3) sees only this rank's
         heads, so its gradient is this rank's part of the sum over tp, as SP's norm weights are.
         (Not the MLP region: an MoE there stays replicated and sees the whole input.)"""
+        if block_plan.attention is None:
+            return
         inside = block_plan.attention.path
         rows = [p.path for p in block_plan.attention.row]
         for name, param in block.named_parameters():

@@ -81,6 +81,7 @@ def logits_of(model, ids):
     [
         ("llama", 2, ["--tp", 2]),
         pytest.param("gpt2", 2, ["--zero", 3], marks=pytest.mark.slow),  # tied head
+        pytest.param("gpt2", 2, ["--pp", 2], marks=pytest.mark.extended),  # the tied head's two pipeline copies
         pytest.param("mixtral", 2, ["--ep", 2, "--weights-only"], marks=pytest.mark.slow),  # experts split over ep
     ],
 )

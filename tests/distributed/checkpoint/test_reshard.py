@@ -25,6 +25,16 @@ PAIRS = {
     "pp2_zero3-to-dp4_zero1": ("tiny_deep", 8, (4, ["--pp", "2", "--zero", "3", "--microbatches", "2"]),
                                (4, ["--zero", "1"])),
 }  # fmt: skip
+# Tied embeddings: the pipeline's two copies are saved once, under the names one process uses
+# (model and optimizer state), so a checkpoint moves to and from pp unchanged.
+TIED_PAIRS = {
+    "tied_pp2_zero3-to-dp2_zero1": ("tiny_tied_deep", 8, (2, ["--pp", "2", "--zero", "3", "--microbatches", "2"]),
+                                    (2, ["--zero", "1"])),
+    "tied_dp2_zero1-to-pp2_interleaved": ("tiny_tied_deep", 8, (2, ["--zero", "1"]),
+                                          (2, ["--pp", "2", "--zero", "1", "--microbatches", "2",
+                                               "--schedule", "interleaved_1f1b", "--virtual-stages", "2"])),
+}  # fmt: skip
+PAIRS.update(TIED_PAIRS)
 
 
 def _data_ranks(nproc: int, args: list[str]) -> int:
@@ -44,7 +54,13 @@ def _run(out, model, batch, nproc, layout, extra):
 @pytest.mark.distributed
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize(
-    "pair", [pytest.param(p, marks=pytest.mark.slow) if p != "tp2-to-tp1_dp2" else p for p in PAIRS]
+    "pair",
+    [
+        pytest.param(p, marks=pytest.mark.extended if p in TIED_PAIRS else pytest.mark.slow)
+        if p != "tp2-to-tp1_dp2"
+        else p
+        for p in PAIRS
+    ],
 )
 def test_resume_under_another_layout_continues_the_losses(tmp_path, pair):
     model, batch, (n_write, write), (n_read, read) = PAIRS[pair]

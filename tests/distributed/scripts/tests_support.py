@@ -19,6 +19,7 @@ MODELS = {
     "tiny_deep": replace(TINY, num_layers=8),  # pp=4 x virtual_stages=2 needs 8 blocks
     "tiny_moe": replace(TINY, num_experts=4, experts_top_k=2, num_shared_experts=1, moe_intermediate_size=64),
 }
+MODELS["tiny_tied_deep"] = replace(MODELS["tiny_deep"], tie_embeddings=True)  # pp: the head's weight is the embedding's
 MODELS["tiny_moe_deep"] = replace(MODELS["tiny_moe"], num_layers=4)  # pp=2 x virtual_stages=2 needs 4 blocks
 # tp=2 x all-to-all/hybrid cp=2: each tp rank's 2 query and 2 kv heads are sharded again over the Ulysses group
 MODELS["tiny_deep_kv4"] = replace(MODELS["tiny_deep"], num_kv_heads=4)

@@ -27,9 +27,29 @@ def pipeline_args(pp: int, schedule: str, microbatches: int) -> list[str]:
             "--microbatches", str(microbatches), "--batch-size", str(BATCH)]  # fmt: skip
 
 
-def spec(nproc, pp, schedule, microbatches, tp=1, sp=False, accumulate=1, clip=None, cp=1, zero=1) -> tuple:
+def spec(nproc, pp, schedule, microbatches, tp=1, sp=False, accumulate=1, clip=None, cp=1, zero=1,
+         model="tiny_deep") -> tuple:  # fmt: skip
     """One pipeline case, as a hashable key of its settings."""
-    return (nproc, pp, schedule, microbatches, tp, sp, accumulate, clip, cp, zero)
+    return (nproc, pp, schedule, microbatches, tp, sp, accumulate, clip, cp, zero, model)
+
+
+TIED = "tiny_tied_deep"  # the head's weight is the embedding's: a copy on each end, gradients summed
+# test_tied_embeddings' cases: the fast tier's join the 2- and 4-process launches above.
+TIED_CASES = {
+    "pp2_clip": spec(2, 2, "1f1b", 4, clip=0.5, model=TIED),
+    # FSDP2: the two copies' shards summed; the norm counts the weight once; 2 runs per step
+    "dp2_pp2_interleaved_zero3_accumulate_clip": spec(4, 2, "interleaved_1f1b", 4, accumulate=2, clip=0.5, zero=3,
+                                                      model=TIED),  # fmt: skip
+    # ZeRO-2 engines reduce the summed gradient over dp after the pair's sum; 2 runs per step
+    "dp2_pp2_zero2_accumulate_clip": spec(4, 2, "1f1b", 4, accumulate=2, clip=0.5, zero=2, model=TIED),
+    # vocabulary-parallel embedding and head cut the one weight alike on both ends
+    "tp2_sp_pp2_interleaved_clip": spec(4, 2, "interleaved_1f1b", 4, tp=2, sp=True, clip=0.5, model=TIED),
+    # zero bubble (split weight gradients), the ends on two ranks
+    "pp2_zero_bubble": spec(2, 2, "zero_bubble", 4, model=TIED),
+    # pp=4: the pair {rank 0, rank 3} of the pipe is a group of its own; middle stages hold no copy
+    "pp4_clip": spec(4, 4, "1f1b", 8, clip=0.5, model=TIED),
+}
+TIED_FAST = ["pp2_clip", "dp2_pp2_interleaved_zero3_accumulate_clip"]
 
 
 # Each reference test's case, from its parameters: all of them train through one launch per process count.
@@ -49,6 +69,8 @@ SPECS = {
     "test_pipeline_with_zero3_middle_stages": lambda p: spec(8, 4, "1f1b", 8, zero=3),
     # each microbatch is a slice of this rank's sequence shard; ring attention inside every stage
     "test_pipeline_with_context_parallel": lambda p: spec(4, 2, "1f1b", 4, cp=2),
+    "test_tied_embeddings": lambda p: TIED_CASES[p["case"]],
+    "test_tied_embeddings_extended": lambda p: TIED_CASES[p["case"]],
 }
 
 
@@ -56,8 +78,8 @@ def layout_case(test_name: str, params: dict):
     if test_name not in SPECS:
         return None
     key = SPECS[test_name](params)
-    nproc, pp, schedule, microbatches, tp, sp, accumulate, clip, cp, zero = key
-    options = dict(zero=zero, accumulate=accumulate, clip=clip, steps=STEPS, tp=tp, sp=sp, cp=cp, model="tiny_deep",
+    nproc, pp, schedule, microbatches, tp, sp, accumulate, clip, cp, zero, model = key
+    options = dict(zero=zero, accumulate=accumulate, clip=clip, steps=STEPS, tp=tp, sp=sp, cp=cp, model=model,
                    extra=pipeline_args(pp, schedule, microbatches))  # fmt: skip
     return key, (nproc, options)
 
@@ -72,11 +94,11 @@ def check_reference(runs, request) -> list:
     """The test's case against one process; returns each rank's record."""
     callspec = getattr(request.node, "callspec", None)
     key = SPECS[request.node.originalname](callspec.params if callspec else {})
-    nproc, pp, schedule, microbatches, tp, sp, accumulate, clip, cp, zero = key
+    nproc, pp, schedule, microbatches, tp, sp, accumulate, clip, cp, zero, model = key
     result, params = runs[key]
     assert (result["layout"]["pp"], result["layout"]["tp"], result["layout"]["cp"]) == (pp, tp, cp)
     data_ranks = nproc // (pp * tp * cp)
-    ref_losses, ref_params = reference_run(STEPS, data_ranks, accumulate, clip, model="tiny_deep", batch_size=BATCH)
+    ref_losses, ref_params = reference_run(STEPS, data_ranks, accumulate, clip, model=model, batch_size=BATCH)
     assert_equivalent(result["losses"], params, ref_losses, ref_params)
     # What the unchanged training_step logged: on every rank, its data rank's batch loss. With
     # one data rank that is the reference's loss, step by step, on every pipeline stage.
@@ -149,6 +171,22 @@ def test_pipeline_with_zero3_middle_stages(runs, request):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_pipeline_with_context_parallel(runs, request):
+    check_reference(runs, request)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", TIED_FAST)
+def test_tied_embeddings(runs, request, case):
+    # The full parameters hold the tied weight under both names, equal, as one process's state dict does.
+    check_reference(runs, request)
+
+
+@pytest.mark.distributed
+@pytest.mark.extended
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", [c for c in TIED_CASES if c not in TIED_FAST])
+def test_tied_embeddings_extended(runs, request, case):
     check_reference(runs, request)
 
 
