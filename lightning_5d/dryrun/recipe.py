@@ -154,6 +154,7 @@ def dry_run(cfg: Any, recipe: str | None = None, classes: CutClasses = CutClasse
     modelled = spec.replace(num_layers=check.modelled_layers)
     reports = tuple(ClassReport(c, predict(spec, setup, c.blocks, c.first, c.last, modelled)) for c in found)
     notes = [n for n in check.notes if not n.startswith("attention as")]
+    notes += [f"planner: {p}" for p in check.problems]  # e.g. MoE with tp > 1: its diff above comes from this
     if setup.cp > 1 or parallel.activation_checkpointing.value != "none":
         notes.append("cp and activation checkpointing change no parameter: the dry run does not apply them")
     return DryRun(
