@@ -21,8 +21,9 @@ STATE_TOLERANCE = 0.005  # per term (params, grads, optimizer), counted vs the p
 PRODUCTION = [
     "llama3_8b_8gpu",
     "mixtral_8x7b_32gpu",
-    "llama3_70b_64gpu",
-    # 8 pipeline stages of a 405B model cut on meta: ~15-30 s on 2 busy cores.
+    # tp=8 cuts of 80 / 126 blocks per pipeline stage on meta: ~6-15 s and ~20-60 s on 2 busy cores,
+    # too slow for the fast tier (its tp x pp cutting is covered there by the tiny model below).
+    pytest.param("llama3_70b_64gpu", marks=pytest.mark.extended),
     pytest.param("llama3_405b_1024gpu", marks=pytest.mark.extended),
 ]
 
