@@ -30,6 +30,7 @@ VARIANTS = [
     ("lightning_meta_fsdp", "Lightning `ModelParallelStrategy`, `init_module(empty_init=True)` + `fully_shard`"),
     ("ours_eager_zero3", "`FiveDStrategy(zero=3)`, model built in `__init__`"),
     ("ours_meta_zero3", "`FiveDStrategy(zero=3)`, `init_module(empty_init=True)`"),
+    ("ours_meta_zero3_verify_off", "`FiveDStrategy(zero=3, verify='off')`, `init_module(empty_init=True)`"),
     ("ours_eager_tp2_zero3_old", "`FiveDStrategy(tp=2, zero=3)`, eager, tp references kept (before the fix)"),
     ("ours_eager_tp2_zero3", "`FiveDStrategy(tp=2, zero=3)`, eager"),
     ("ours_meta_tp2_zero3", "`FiveDStrategy(tp=2, zero=3)`, `init_module(empty_init=True)`"),
@@ -46,12 +47,12 @@ def param_count(m: dict) -> int:
     return n * (attn + 3 * h * i + 2 * h) + 2 * v * h + h
 
 
-def _one(variant: str, model: dict) -> dict:
+def _one(variant: str, model: dict, phases: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         start = time.time()
-        run = run_distributed(WORKER, NPROC, ["--variant", variant, "--model", json.dumps(model), "--out", str(out)],
-                              timeout=900, env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+        args = ["--variant", variant, "--model", json.dumps(model), "--out", str(out), *(["--phases"] * phases)]
+        run = run_distributed(WORKER, NPROC, args, timeout=900, env={"OMP_NUM_THREADS": "1"})
         if run.returncode != 0 or not out.exists():
             raise WorkerFailed(first_error(run.output) or f"exit {run.returncode}", run.output)
         result = json.loads(out.read_text())
@@ -59,11 +60,26 @@ def _one(variant: str, model: dict) -> dict:
         return result
 
 
+def _previous() -> dict:
+    """The last recorded run's rows by variant (results.json), shown as "before" next to this run."""
+    path = Path(__file__).parent / "results.json"
+    if not path.exists():
+        return {}
+    last = json.loads(path.read_text()).get("startup_memory") or {}
+    return {"date": last.get("date"), "rows": {r["variant"]: r for r in last.get("rows", [])}}
+
+
 def run(quick: bool) -> dict:
     model = QUICK_MODEL if quick else MODEL
     full = 4 * param_count(model)
+    previous = _previous()
     rows = []
+    only = [v for v in os.environ.get("STARTUP_MEMORY_ONLY", "").split(",") if v]
     for variant, label in VARIANTS:
+        kept = previous.get("rows", {}).get(variant)
+        if only and variant not in only and kept is not None and "error" not in kept:
+            rows.append({**kept, "kept": True})  # not rerun (STARTUP_MEMORY_ONLY): the previous run's row
+            continue
         try:
             r = _one(variant, model)
         except WorkerFailed as err:  # a variant that cannot start is a finding: recorded, the others still run
@@ -75,7 +91,9 @@ def run(quick: bool) -> dict:
         rows.append({"variant": variant, "label": label, "above_baseline": above, "max_above": max(above),
                      "fraction": max(above) / full, "ranks": r["ranks"], "wall_s": r["wall_s"]})  # fmt: skip
     cmd = "python -m benchmarks run --only startup_memory" + (" --quick" if quick else "")
-    return {"command": cmd, "nproc": NPROC, "model": model, "full_bytes": full, "rows": rows}
+    if only:
+        cmd = f"STARTUP_MEMORY_ONLY={','.join(only)} {cmd}"
+    return {"command": cmd, "nproc": NPROC, "model": model, "full_bytes": full, "rows": rows, "previous": previous}
 
 
 def markdown(result: dict) -> str:
@@ -87,24 +105,47 @@ def markdown(result: dict) -> str:
         f"applied, weights materialized, optimizer built; before step 0), above the rank's RSS before the model "
         f"existed; the largest rank. Held after setup: RSS at `on_train_start` above the baseline (largest rank; "
         f"where the tp reference leak shows: the peak is the eager build). Fraction: of the whole fp32 model. Targets: zero3 over 4 ranks <= 0.30 "
-        f"(1/4 + overhead); ours / theirs <= 1.0.",
+        f"(1/4 + overhead); ours / theirs <= 1.0. Before: the fraction of the previous recorded run "
+        f"({(result.get('previous') or {}).get('date') or 'none'}).",
         "",
-        "| variant | peak above baseline (MiB) | fraction of the model | ours / theirs | held after setup (MiB) | wall (s) |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| variant | peak above baseline (MiB) | fraction of the model | before | ours / theirs | held after setup (MiB) "
+        "| wall (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
+    before = (result.get("previous") or {}).get("rows", {})
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"| {r['label']} | failed: {r['error']} | | | | |")
+            lines.append(f"| {r['label']} | failed: {r['error']} | | | | | |")
             continue
         ratio = "" if r is theirs else f"{r['max_above'] / theirs['max_above']:.2f}"
         held = max(k["rss_after_setup"] - k["baseline"] for k in r["ranks"])
         note = " (rerun)" if r.get("rerun") else ""
-        lines.append(f"| {r['label']}{note} | {r['max_above'] / 2**20:,.0f} | {r['fraction']:.2f} | {ratio} | "
-                     f"{held / 2**20:,.0f} | {r['wall_s']:.0f} |")  # fmt: skip
+        note += " (not rerun: previous run's row)" if r.get("kept") else ""
+        old = before.get(r["variant"], {}).get("fraction")
+        lines.append(f"| {r['label']}{note} | {r['max_above'] / 2**20:,.0f} | {r['fraction']:.2f} | "
+                     f"{'' if old is None else f'{old:.2f}'} | {ratio} | {held / 2**20:,.0f} | {r['wall_s']:.0f} |")  # fmt: skip
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # one variant by hand: python -m benchmarks.startup_memory VARIANT
+def phase_table(result: dict) -> str:
+    """Peak RSS above baseline (MiB) per start-up phase, per rank, in the order the phases ran."""
+    ranks = result["ranks"]
+    names = list(ranks[0]["phases"])
+    lines = ["| phase | " + " | ".join(f"rank {i}" for i in range(len(ranks))) + " |",
+             "|---|" + "---:|" * len(ranks)]  # fmt: skip
+    for name in names:
+        cells = [f"{(r['phases'].get(name, 0) - r['baseline']) / 2**20:,.0f}" for r in ranks]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    # One variant by hand: python -m benchmarks.startup_memory VARIANT [--phases] (QUICK=1: the small model)
     import sys
 
-    print(json.dumps(_one(sys.argv[1], QUICK_MODEL if os.environ.get("QUICK") else MODEL), indent=1))
+    with_phases = "--phases" in sys.argv
+    result = _one(sys.argv[1], QUICK_MODEL if os.environ.get("QUICK") else MODEL, phases=with_phases)
+    print(json.dumps({k: v for k, v in result.items() if k != "ranks"} | {"ranks": [
+        {k: v for k, v in r.items() if k != "phases"} for r in result["ranks"]]}, indent=1))  # fmt: skip
+    if with_phases:
+        print(phase_table(result))

@@ -18,7 +18,8 @@ TRAIN_HELP = "run a recipe (Hydra app): l5d train recipe=<name> parallel.zero=3 
 TRAIN_EPILOG = (
     "Everything after `train` goes to Hydra: key=value overrides, group choices\n"
     "(recipe=tiny_zero3, parallel=hsdp, precision=bf16_mixed), -m for sweeps,\n"
-    "--cfg job to print the composed config, --help for the config groups."
+    "--cfg job to print the composed config, --help for the config groups,\n"
+    "--dry-run to count each rank's start-up bytes against its GPU (starts nothing)."
 )
 
 

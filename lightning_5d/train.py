@@ -30,6 +30,7 @@ from lightning_5d.launch import WorkersFailed
 log = logging.getLogger(__name__)
 
 RECIPE_GROUP = "recipe"
+DRY_RUN_FLAG = "--dry-run"  # compose, validate and count each rank's start-up bytes; start nothing
 RESOLVED_NAME = "resolved.yaml"
 SUMMARY_NAME = "summary.json"
 
@@ -373,6 +374,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import hydra
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if DRY_RUN_FLAG in argv:
+        from lightning_5d.dryrun.recipe import main as dry_run_main
+
+        return dry_run_main([a for a in argv if a != DRY_RUN_FLAG])
     try:
         conf = config_dir()
     except ConfigError as err:

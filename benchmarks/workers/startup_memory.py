@@ -27,6 +27,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--variant", required=True)
 parser.add_argument("--model", required=True, help="LlamaConfig fields as JSON")
 parser.add_argument("--out", required=True)
+parser.add_argument("--phases", action="store_true", help="also the peak RSS inside each start-up phase")
 
 
 def rss_bytes() -> int:
@@ -45,6 +46,62 @@ class StopBeforeStep(L.Callback):
         trainer.should_stop = True
 
 
+class PhaseRSS:
+    """Peak RSS per start-up phase: a thread samples /proc/self/status every 5 ms and charges the
+    sample to the phase running then (phases are the strategy's steps, wrapped here)."""
+
+    def __init__(self):
+        import threading
+
+        self.phase = "before setup"
+        self.peaks: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self):
+        while not self._stop.wait(0.005):
+            rss = rss_bytes()
+            self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), rss)
+
+    def wrap(self, owner, name: str, label: str) -> None:
+        original = getattr(owner, name)
+
+        def wrapped(*args, **kwargs):
+            outer, self.phase = self.phase, label
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.peaks[label] = max(self.peaks.get(label, 0), rss_bytes())
+                self.phase = f"after {label}"
+
+        setattr(owner, name, wrapped)
+
+    def stop(self) -> dict[str, int]:
+        self._stop.set()
+        self._thread.join()
+        return self.peaks
+
+
+def watch_phases() -> PhaseRSS:
+    from lightning_5d import dimensions, strategy
+    from lightning_5d.materialize.build import MetaBuild
+
+    phases = PhaseRSS()
+    phases.wrap(dimensions.Discover, "apply", "discover (probe)")
+    phases.wrap(dimensions.SnapshotPieces, "apply", "snapshot")
+    phases.wrap(dimensions.Data, "_fsdp", "fully_shard + materialize")
+    phases.wrap(MetaBuild, "materialize", "materialize (replay)")
+    from lightning_5d.verify import check
+
+    phases.wrap(dimensions.Verify, "apply", "verify")
+    phases.wrap(check, "run_probe", "verify: probe forward")
+    phases.wrap(check.PlanCheck, "_compare", "verify: compare pieces")
+    phases.wrap(strategy.FiveDStrategy, "setup_optimizers", "optimizer")
+    phases.wrap(strategy.FiveDStrategy, "setup", "setup (all)")
+    return phases
+
+
 def keep_tp_references() -> None:
     """The behaviour before the fix: TensorParallel kept every tp-local tensor it made."""
     cut = TensorParallel._apply
@@ -59,6 +116,7 @@ def keep_tp_references() -> None:
 def main() -> None:
     args = parser.parse_args()
     config = LlamaConfig(**json.loads(args.model))
+    phases = watch_phases() if args.phases else None
     baseline = rss_bytes()
     v = args.variant
     build = "meta" if "meta" in v else "eager"
@@ -72,7 +130,8 @@ def main() -> None:
         pp = 2 if "pp2" in v else 1
         if "old" in v:
             keep_tp_references()
-        strategy = lightning_5d.FiveDStrategy(zero=3, tp=tp, pp=pp, pipeline={"microbatches": 2})
+        verify = "off" if "verify_off" in v else "blocks"
+        strategy = lightning_5d.FiveDStrategy(zero=3, tp=tp, pp=pp, pipeline={"microbatches": 2}, verify=verify)
         cls = LlamaLM
     L.seed_everything(0, verbose=False)
     model = cls(config) if build == "eager" else None
@@ -81,12 +140,18 @@ def main() -> None:
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[stop])  # fmt: skip
     if build == "meta":
+        if phases is not None:
+            phases.phase = "build on meta (record)"
         with trainer.init_module(empty_init=True):
             model = cls(config)
+        if phases is not None:
+            phases.phase = "after build"
     ids = torch.randint(0, config.vocab_size, (64, 17))
     data = [{"input_ids": row[:-1], "labels": row[1:]} for row in ids]
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=2, drop_last=True))
     record = {"baseline": baseline, "peak": stop.peak, "rss_after_setup": rss_bytes()}
+    if phases is not None:
+        record["phases"] = phases.stop()
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, record)
     if dist.get_rank() == 0:

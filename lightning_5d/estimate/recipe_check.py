@@ -332,10 +332,9 @@ def check_recipe(cfg: Any, recipe: str | None = None, validate: bool = True, **c
     startup = 4 * count_params(spec).total  # fp32, as nn.Module builds it
     if startup > cluster.usable_memory_bytes:
         notes.append(
-            f"start-up, not modelled: the worker builds the whole model in fp32 on every rank and moves it to the "
-            f"GPU before any dimension cuts it (worker.py LlamaLM(...), FiveDStrategy.setup model_to_device): "
-            f"{startup / GIB:.0f} GiB per GPU and per process in host memory; this recipe needs meta-device "
-            f"(deferred) initialization, which the runtime does not have yet"
+            f"start-up: the whole model ({startup / GIB:.0f} GiB in fp32) is never built; the worker builds it on the "
+            f"meta device and each rank materializes only its pieces. `l5d train recipe={recipe or '<name>'} "
+            f"--dry-run` counts each rank's start-up bytes"
         )
     if setup.schedule in (PipelineSchedule.ZERO_BUBBLE, PipelineSchedule.ZBV, PipelineSchedule.DUALPIPEV):
         notes.append(f"{setup.schedule.value} bubble assumes equal F, B and W times")

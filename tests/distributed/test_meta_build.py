@@ -9,7 +9,13 @@ Equal initialization is what makes the losses agree to 1e-5 from the first step.
 import pytest
 
 from reference import reference_run
-from tests_support import LayoutRuns, assert_equivalent, selected_cases
+from tests_support import TINY, LayoutRuns, assert_equivalent, selected_cases
+
+from lightning_5d.config import ParallelConfig, ZeroStage
+from lightning_5d.dimensions import combination_for
+from lightning_5d.dryrun.startup import startup_classes
+from lightning_5d.dryrun.state import StateRules
+from lightning_5d.models import LlamaLM
 
 STEPS = 3
 
@@ -32,7 +38,7 @@ PARAMS = "nproc,zero,tp,pp,build,extra"
 
 
 def layout_case(test_name: str, params: dict):
-    if not test_name.startswith("test_meta_built_model_matches_single_process"):
+    if not test_name.startswith(("test_meta_built_model_matches_single_process", "test_meta_built_bytes_")):
         return None
     key = tuple(params[name] for name in PARAMS.split(","))
     nproc, zero, tp, pp, build, extra = key
@@ -67,3 +73,24 @@ def test_meta_built_model_matches_single_process(runs, nproc, zero, tp, pp, buil
 @pytest.mark.parametrize(PARAMS, EXTENDED)
 def test_meta_built_model_matches_single_process_more_layouts(runs, nproc, zero, tp, pp, build, extra):
     check(runs, nproc, zero, tp, pp, build, extra)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(PARAMS, FAST)
+def test_meta_built_bytes_match_the_dry_run(runs, nproc, zero, tp, pp, build, extra):
+    """What each rank measured (lightning_5d.accounting, before its 2nd optimizer step) is what
+    `l5d train --dry-run` counts for the same layout, byte for byte (same runs as above)."""
+    result, _ = runs[(nproc, zero, tp, pp, build, extra)]
+    microbatches = int(extra[extra.index("--microbatches") + 1]) if "--microbatches" in extra else None
+    config = ParallelConfig.from_mapping({"zero": zero, "tp": tp, "pp": pp, "dp_shard": "auto",
+                                          "pipeline": {"microbatches": microbatches}})  # fmt: skip
+    layout = config.resolve(nproc)
+    rules = StateRules(zero=ZeroStage(zero), low_precision_params=False)  # fp32 runs
+    combination = combination_for(config, layout, None, False)
+    classes = startup_classes(lambda: LlamaLM(TINY), config, layout, combination, rules)
+    counted = {r: c.state for c in classes for r in c.ranks}
+    for rank, measured in enumerate(result["model_state_bytes"]):
+        state = counted[rank]
+        assert (measured["params"], measured["grads"], measured["optimizer"]) == (
+            state.params, state.grads, state.optimizer), rank  # fmt: skip

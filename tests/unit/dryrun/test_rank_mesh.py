@@ -1,0 +1,47 @@
+"""RankMesh (a rank's mesh from its coordinates) against the real ParallelMesh, rank by rank.
+
+The real mesh is built on torch's in-process ``fake`` backend: every rank of a layout is
+initialized in turn in this one process (no communication happens), so each name's size and
+local rank can be compared for every rank of several layouts, expert mesh and rank orders included.
+"""
+
+import pytest
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from lightning_5d.config import ParallelConfig
+from lightning_5d.dryrun.rank_mesh import RankMesh
+from lightning_5d.mesh import ParallelMesh
+
+LAYOUTS = [  # (parallel section, world size)
+    ({"tp": 2, "pp": 2, "cp": 2, "ep": 2, "dp_shard": "auto"}, 16),
+    ({"tp": 2, "dp_replicate": 2, "dp_shard": "auto", "ep": 4}, 16),
+    ({"tp": 2, "pp": 2, "dp_shard": "auto", "rank_order": ["tp", "dp_replicate", "dp_shard", "cp", "pp"]}, 8),
+    ({"cp": 4, "dp_shard": "auto", "ep": 2}, 8),
+]
+NAMES = ["pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp"]
+EXPERT_NAMES = ["ep", "edp", "edp_shard"]
+
+
+@pytest.mark.parametrize("section,world", LAYOUTS)
+def test_every_rank_sees_what_the_real_mesh_says(section, world):
+    layout = ParallelConfig.from_mapping(section).resolve(world)
+    names = NAMES + (EXPERT_NAMES if layout.ep > 1 else [])
+    for rank in range(world):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            real = ParallelMesh(layout, "cpu")
+            expected = {n: (real.size(n), real.local_rank(n)) for n in names}
+        finally:
+            dist.destroy_process_group()
+        view = RankMesh(layout, rank)
+        assert {n: (view.size(n), view.local_rank(n)) for n in names} == expected, rank
+
+
+def test_a_rank_outside_the_layout_and_an_unknown_name_are_refused():
+    layout = ParallelConfig.from_mapping({"tp": 2, "dp_shard": "auto"}).resolve(4)
+    with pytest.raises(ValueError, match="rank=4 is outside"):
+        RankMesh(layout, 4)
+    with pytest.raises(KeyError, match="no sub-mesh named 'ep'"):
+        RankMesh(layout, 0)["ep"]
+    assert RankMesh(layout, 3).group("tp") is None  # nothing may communicate through it
