@@ -35,7 +35,6 @@ HEAD_ATTRIBUTE_NAMES = (
     "hidden_size",
     "all_head_size",
     "inner_dim",
-    "heads",
 )
 
 
