@@ -59,6 +59,11 @@ def load_dcp_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer
     set_optimizer_state_dict(module, optimizer, dict(state), options=StateDictOptions(full_state_dict=True))
 
 
+def load_sharded_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+    """A name-keyed state whose values are already this rank's (FSDP2 shards as DTensors)."""
+    set_optimizer_state_dict(module, optimizer, dict(state), options=StateDictOptions(full_state_dict=False))
+
+
 def atomic_save(
     checkpoint: dict[str, Any], filepath: str | os.PathLike, checkpoint_io, storage_options=None, branch=None, step=None
 ) -> list[str]:
