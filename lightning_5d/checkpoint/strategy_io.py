@@ -439,7 +439,7 @@ class StrategyCheckpoints:
                     if isinstance(state, StoredState):  # read as each optimizer parameter holds it
                         state = self._read_optimizer(state.path, i, optimizer, checkpoint)
                         if s._zero is None:
-                            full.load_sharded_optimizer_state(s.lightning_module, optimizer, state)
+                            full.load_named_optimizer_state(optimizer, state, self._param_names())
                         else:
                             s._zero.load_full_optimizer_state(optimizer, state, local=True)
                         continue
