@@ -26,6 +26,7 @@ from benchmarks import (
     pipeline_bubble,
     precision_recipes,
     startup_memory,
+    startup_memory_load,
 )
 from benchmarks.common import results_section
 from benchmarks.gpu import suite as gpu_suite
@@ -42,6 +43,7 @@ BENCHMARKS = {
     "precision_recipes": precision_recipes,
     "checkpoint_save": checkpoint_save,
     "startup_memory": startup_memory,
+    "startup_memory_load": startup_memory_load,
     "gpu": gpu_suite,
 }
 HERE = Path(__file__).parent

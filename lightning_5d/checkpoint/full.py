@@ -59,6 +59,21 @@ def load_dcp_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer
     set_optimizer_state_dict(module, optimizer, dict(state), options=StateDictOptions(full_state_dict=True))
 
 
+def load_named_optimizer_state(
+    optimizer: torch.optim.Optimizer, state: Mapping[str, Any], names: Mapping[int, str]
+) -> None:
+    """A name-keyed state whose values are already what each parameter holds on this rank (FSDP2
+    shards as DTensors), loaded as it is. (torch's set_optimizer_state_dict would first create
+    every state by a zero-gradient step, holding the states twice and the gradients once more.)"""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    index = {names[id(p)]: i for i, p in enumerate(params)}
+    unknown = sorted(set(state["state"]) - set(index))
+    if unknown:
+        raise ValueError(f"the checkpoint has optimizer state for unknown parameters {unknown[:3]}")
+    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]
+    optimizer.load_state_dict({"state": {index[n]: v for n, v in state["state"].items()}, "param_groups": groups})
+
+
 def atomic_save(
     checkpoint: dict[str, Any], filepath: str | os.PathLike, checkpoint_io, storage_options=None, branch=None, step=None
 ) -> list[str]:

@@ -3,10 +3,15 @@
 Sources: a ``.safetensors`` file, a ``.pt`` / ``.bin`` / full ``.ckpt`` file (read with
 ``torch.load(weights_only=True)``, memory-mapped where the file allows it), or a Hugging
 Face folder (``model.safetensors``, ``model.safetensors.index.json``, ``pytorch_model.bin``
-or its index). Each rank reads only the entries its own module holds after tensor, expert
-and pipeline parallelism, a group of keys at a time, and hands each group to
-``strategy.load_model_state_dict(..., strict=False)``, which keeps this rank's pieces of
-the full tensors (and distributes FSDP2 shards). No rank holds the whole model.
+or its index). Each rank reads only the entries its own module holds after pipeline and
+expert parallelism, and of each only the slice it holds after tensor parallelism, grouped
+experts and its FSDP2 shard (``lightning_5d.parallel.regions``), one tensor at a time,
+straight into its parameter. No rank reads or holds the whole model, nor sends anything.
+
+safetensors files are sliced lazily (``safe_open(...).get_slice``). torch ``.pt`` / ``.bin``
+files cannot be: they are memory-mapped (``torch.load(mmap=True)``, zip files) and the rank's
+slices copied out of the map, so only the pages of those slices are read; a legacy non-zip
+file is loaded whole on every rank.
 
 Before anything is loaded every rank checks its names and shapes against the file, and all
 ranks agree on the outcome: a missing, unexpected or wrongly shaped entry anywhere raises
@@ -15,6 +20,7 @@ the same ``CheckpointError`` on every rank, with the model left as it was.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -29,6 +35,7 @@ from torch import Tensor, nn
 from lightning_5d.checkpoint.errors import CheckpointError
 from lightning_5d.checkpoint.export import HF_WEIGHTS, hf_info, require_safetensors
 from lightning_5d.checkpoint.sharded import is_sharded_checkpoint
+from lightning_5d.parallel.regions import dtensor_region, local_tensor, read_region, splits_region
 
 HF_INDEX = "model.safetensors.index.json"
 BIN_WEIGHTS = "pytorch_model.bin"
@@ -42,13 +49,18 @@ def _checkpoint_error(message: str) -> Exception:
 
 # ---------------------------------------------------------------------- sources
 class StateSource:
-    """Names, shapes and tensors of a state dict on disk, read one entry at a time."""
+    """Names and shapes of a state dict on disk; each entry read a slice at a time.
+
+    ``read(key, index)`` returns ``file_tensor[index]`` (``index``: a tuple of slices) without
+    reading the rest of the tensor: from safetensors through ``safe_open(...).get_slice``, the
+    file opened per entry so that no mapping of already read pages outlives it; from a torch
+    file through its memory map (or, for legacy non-zip files, from the loaded dict)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._shape: dict[str, tuple[int, ...]] = {}
         self._bytes: dict[str, int] = {}
-        self._get: dict[str, Callable[[str], Tensor]] = {}
+        self._read: dict[str, Callable[[str, tuple], Tensor]] = {}
 
     def keys(self) -> list[str]:
         return list(self._shape)
@@ -59,23 +71,28 @@ class StateSource:
     def nbytes(self, key: str) -> int:
         return self._bytes[key]
 
+    def read(self, key: str, index: tuple) -> Tensor:
+        """``file_tensor[index]`` of entry ``key``; only that part is read."""
+        return self._read[key](key, index)
+
     def get(self, key: str) -> Tensor:
-        return self._get[key](key)
+        """The whole entry (export and tests; loading reads slices)."""
+        return self.read(key, tuple(slice(None) for _ in self._shape[key]))
 
     # --- adding files
     def add_safetensors(self, file: Path, only: set[str] | None = None) -> None:
         require_safetensors()
         from safetensors import safe_open
 
-        handle = safe_open(str(file), framework="pt", device="cpu")
-        for key in handle.keys():
-            if only is not None and key not in only:
-                continue
-            piece = handle.get_slice(key)
-            shape = tuple(piece.get_shape())
-            self._shape[key] = shape
-            self._bytes[key] = _numel(shape) * _DTYPE_BYTES.get(piece.get_dtype(), 1)
-            self._get[key] = handle.get_tensor
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for key in handle.keys():
+                if only is not None and key not in only:
+                    continue
+                piece = handle.get_slice(key)
+                shape = tuple(piece.get_shape())
+                self._shape[key] = shape
+                self._bytes[key] = _numel(shape) * _DTYPE_BYTES.get(piece.get_dtype(), 1)
+                self._read[key] = functools.partial(_safetensors_slice, str(file))
 
     def add_torch(self, file: Path, only: set[str] | None = None) -> None:
         state = _torch_load(file)
@@ -84,7 +101,15 @@ class StateSource:
                 continue
             self._shape[key] = tuple(value.shape)
             self._bytes[key] = value.numel() * value.element_size()
-            self._get[key] = state.__getitem__
+            self._read[key] = lambda k, index, state=state: state[k][index] if index else state[k]
+
+
+def _safetensors_slice(file: str, key: str, index: tuple) -> Tensor:
+    from safetensors import safe_open
+
+    with safe_open(file, framework="pt", device="cpu") as handle:
+        piece = handle.get_slice(key)
+        return piece[index] if index else handle.get_tensor(key)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -167,7 +192,7 @@ class PretrainedLoad:
     path: Path
     prefix: str
     loaded: int  # entries this rank read
-    calls: int  # load_model_state_dict calls (groups)
+    bytes_read: int  # bytes this rank read from the file (its share of the entries it holds)
     missing: list[str] = field(default_factory=list)  # only with strict=False
     unexpected: list[str] = field(default_factory=list)
 
@@ -188,12 +213,10 @@ def _splits(strategy: Any) -> list:
     return list(checkpoints.splits) if checkpoints is not None else []
 
 
-def _local_shapes(strategy: Any, full: Mapping[str, Tensor]) -> dict[str, tuple[int, ...]]:
-    """The shapes this rank keeps of full tensors (meta tensors through the strategy's tp/ep/pp splits)."""
-    state = dict(full)
-    for split in _splits(strategy):
-        state = split.local_state(state)
-    return {k: tuple(v.shape) for k, v in state.items()}
+def _local_shapes(strategy: Any, full: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The shapes this rank keeps of full tensors (through the strategy's tp/ep/pp splits)."""
+    splits = _splits(strategy)
+    return {k: splits_region(k, shape, splits).local_shape for k, shape in full.items()}
 
 
 def _gather(obj: Any) -> list[Any]:
@@ -270,10 +293,9 @@ def _problems(
         k for k in in_file if k not in all_keys and not any(p.search(k[len(prefix) :]) for p in ignore_unexpected)
     )
     present = [k for k in local if k in in_file]
-    meta = {k: torch.empty(source.shape(k[len(prefix) :]), device="meta") for k in present}
     mismatched = []
     try:
-        shapes = _local_shapes(strategy, meta)
+        shapes = _local_shapes(strategy, {k: source.shape(k[len(prefix) :]) for k in present})
     except Exception as err:  # a split that cannot cut the file's tensor (not divisible by tp, ...)
         return missing, unexpected, [f"the file's tensors cannot be split for this layout ({err})"]
     for k in present:
@@ -306,17 +328,17 @@ def _report(path: Path, prefix: str, missing: list[str], unexpected: list[str], 
 
 
 # ---------------------------------------------------------------------- loading
-def _groups(keys: list[str], nbytes: Callable[[str], int], limit: int) -> Iterator[list[str]]:
-    group: list[str] = []
-    size = 0
-    for key in keys:
-        if group and size + nbytes(key) > limit:
-            yield group
-            group, size = [], 0
-        group.append(key)
-        size += nbytes(key)
-    if group:
-        yield group
+def _targets(module: nn.Module, names: list[str]) -> list[tuple[str, Tensor]]:
+    """(name, live tensor) for each name, every tensor once (tied weights appear under several names)."""
+    live = module.state_dict(keep_vars=True)
+    seen: set[int] = set()
+    out = []
+    for name in names:
+        t = live[name]
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append((name, t))
+    return out
 
 
 def load_pretrained(
@@ -324,18 +346,21 @@ def load_pretrained(
     path: str | os.PathLike,
     prefix: str | None = None,
     strict: bool = True,
-    group_mb: float = 1024.0,
 ) -> PretrainedLoad:
     """Load the state dict at ``path`` into ``strategy.lightning_module``, already parallelized.
 
     ``prefix`` is put in front of the file's names to get the LightningModule's (``"model."``
     for weights of ``self.model``); None (default) picks ``""`` or the attribute path of the
     Hugging Face model inside the LightningModule, whichever matches more names. Every rank of
-    the world must call this together: the names are agreed on over all ranks, and under
-    ZeRO-3 each group of ``group_mb`` MiB is distributed by FSDP2 collectives (the ranks of a
-    data-parallel group hold the same names, so they load the same groups in the same order).
-    With ``strict=True`` a missing or unexpected entry raises ``CheckpointError`` on every rank
+    the world must call this together: the names are agreed on over all ranks. With
+    ``strict=True`` a missing or unexpected entry raises ``CheckpointError`` on every rank
     before anything is loaded; a wrong shape always does.
+
+    Each rank reads, tensor by tensor, only the part it holds: the tp / ep cuts of the file's
+    tensor (``split.local_region``) narrowed to the rank's FSDP2 shard (a DTensor's local
+    piece), rectangle by rectangle (a fused ``[q|k|v]`` cut reads one rectangle per segment),
+    straight into the live parameter. Nothing is sent between ranks, and the memory beyond the
+    rank's own parameters is one rectangle of one tensor.
     """
     path = Path(path)
     try:
@@ -362,10 +387,13 @@ def load_pretrained(
         raise _checkpoint_error(_report(path, prefix, missing, unexpected, mismatched))
     in_file = set(file_keys)
     mine = [k for k in local if k.startswith(prefix) and k[len(prefix) :] in in_file]
-    calls = 0
-    for group in _groups(mine, lambda k: source.nbytes(k[len(prefix) :]), int(group_mb * 2**20)):
-        chunk = {k: source.get(k[len(prefix) :]) for k in group}
-        strategy.load_model_state_dict({"state_dict": chunk}, strict=False)
-        calls += 1
-        del chunk
-    return PretrainedLoad(path, prefix, len(mine), calls, missing, unexpected)
+    splits = _splits(strategy)
+    read = 0
+    for name, target in _targets(module, mine):
+        key = name[len(prefix) :]
+        region = dtensor_region(splits_region(name, source.shape(key), splits), target)
+        read += read_region(functools.partial(source.read, key), region, local_tensor(target))
+    checkpoints = getattr(strategy, "checkpoints", None)
+    if hasattr(checkpoints, "after_model_load"):  # ZeRO-1/2 and bf16 masters copy the new weights
+        checkpoints.after_model_load()
+    return PretrainedLoad(path, prefix, len(mine), read, missing, unexpected)

@@ -31,11 +31,15 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from lightning_5d.checkpoint.errors import CheckpointError
 from lightning_5d.checkpoint.files import COMPLETE, damage, stamp_files
 from lightning_5d.checkpoint.full import load_file
+from lightning_5d.parallel.regions import Region
 
 FORMAT_VERSION = 1
 META = "meta.pt"
@@ -187,11 +191,58 @@ def read_layout(path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"{path / LAYOUT} could not be read ({err}); the checkpoint is truncated.") from err
 
 
+class _RegionPlanner(DefaultLoadPlanner):
+    """DCP's load planner asked for regions of the stored (full-shape) tensors: each key's
+    rectangles (``Region.blocks``) become DCP's local chunks, read straight into views of the
+    key's output tensor. DCP's resharding finds the stored chunks each rectangle overlaps."""
+
+    def __init__(self, regions: Mapping[str, tuple[Region, torch.Tensor]]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.regions = regions
+        self._dest: dict[str, list[torch.Tensor]] = {}
+
+    def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+        self.state_dict = self.original_state_dict = state_dict
+        self.metadata, self.is_coordinator = metadata, is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        items = []
+        for key, (region, out) in self.regions.items():
+            chunks, dests = [], []
+            for full, local in region.blocks():
+                chunks.append(ChunkStorageMetadata(offsets=torch.Size(s.start for s in full),
+                                                   sizes=torch.Size(s.stop - s.start for s in full)))  # fmt: skip
+                dests.append(out[local])
+            self._dest[key] = dests
+            items += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], chunks)
+        return LoadPlan(items)
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        dest = self._dest[read_item.dest_index.fqn][read_item.dest_index.index]
+        for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            dest = dest.narrow(dim, offset, length)
+        return dest
+
+
+def read_regions(path: str | os.PathLike, regions: Mapping[str, tuple[Region, torch.Tensor]]) -> None:
+    """Fill each ``out`` of ``regions`` (key -> (region of the stored tensor, out tensor of the
+    region's local shape)) from the checkpoint, reading only the stored chunks the region
+    overlaps, one at a time (a collective: every rank calls it, with its own regions)."""
+    _load(path, {key: out for key, (_, out) in regions.items()}, planner=_RegionPlanner(regions))
+
+
 def read_tensors(path: str | os.PathLike, targets: dict[str, torch.Tensor], group: Any | None = None) -> None:
     """Fill ``targets`` (full-shape tensors, or DTensors) in place from the checkpoint."""
+    _load(path, targets, group=group)
+
+
+def _load(path: str | os.PathLike, targets: dict[str, torch.Tensor], group: Any = None, planner: Any = None) -> None:
     reader = SafeReader(str(path))
     try:
-        dcp.load(targets, storage_reader=reader, process_group=group, no_dist=not dist.is_initialized())
+        dcp.load(
+            targets, storage_reader=reader, planner=planner, process_group=group, no_dist=not dist.is_initialized()
+        )
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as err:  # DCP's own error is a BaseException

@@ -5,8 +5,10 @@ name cannot express (tensor-parallel shards, grouped experts' slices) and keeps 
 name does express (a pipeline stage's layers, ``experts.<global index>``, FSDP2 shards as
 DTensors with their offsets). The full format then gathers everything to rank 0; the
 sharded format lets torch.distributed.checkpoint write each rank's pieces (keys several
-ranks hold are written once). Loading asks for the full-shape tensors this rank's pieces
-come from, and cuts them with the same splits, so any layout reads any other's checkpoint.
+ranks hold are written once). Loading a sharded checkpoint asks DCP, per name, for the
+region of the stored full-shape tensor this rank holds (the same splits, as index ranges:
+``lightning_5d.parallel.regions``) and reads it straight into the parameter or optimizer
+state, so any layout reads any other's checkpoint without a full-shape copy of its names.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from lightning_5d.checkpoint import files, full, sharded
 from lightning_5d.checkpoint.lineage import STAMP_KEY, Branch
 from lightning_5d.checkpoint.errors import CheckpointError
 from lightning_5d.checkpoint.export import hf_info
+from lightning_5d.parallel.regions import FlatSlice, Region, dtensor_region, local_tensor, splits_region
 
 log = logging.getLogger(__name__)
 
@@ -337,16 +340,27 @@ class StrategyCheckpoints:
         s = self.strategy
         state = checkpoint["state_dict"]
         if isinstance(state, StoredState):
-            state = self._read_model(state.path, strict)
-        for split in self.splits:  # full tensors: this rank keeps its own pieces
-            state = split.local_state(state)
-        full.load_full_model_state(s.lightning_module, state, bool(s._fsdp_units), strict)
+            self._read_model(state.path, strict)  # each tensor's piece straight into its parameter
+        else:  # a full-format file: its tensors are already in memory
+            for split in self.splits:  # full tensors: this rank keeps its own pieces
+                state = split.local_state(state)
+            full.load_full_model_state(s.lightning_module, state, bool(s._fsdp_units), strict)
+        self.after_model_load()
+
+    def after_model_load(self) -> None:
+        """Separate master copies (ZeRO-1/2 fp32 slices of bf16 parameters, bf16 precision's
+        masters) take the parameters' new values."""
+        s = self.strategy
         if s._zero is not None:
             s._zero.refresh_masters()
         if s._five_d_precision is not None:
             s._five_d_precision.refresh_masters()
 
-    def _read_model(self, path: Path, strict: bool) -> dict[str, Tensor]:
+    def _read_model(self, path: Path, strict: bool) -> None:
+        """Every parameter and buffer of this rank reads its own region of the stored full-shape
+        tensor: the tp / ep cuts narrowed to its FSDP2 shard (``lightning_5d.parallel.regions``).
+        DCP reads the stored chunks those regions overlap, one at a time, into the live tensors:
+        no full-shape copy of the rank's names, whatever layout wrote the checkpoint."""
         s = self.strategy
         stored = {
             k[len(sharded.MODEL) :]: v for k, v in sharded.tensor_shapes(path).items() if k.startswith(sharded.MODEL)
@@ -357,9 +371,16 @@ class StrategyCheckpoints:
         problem = self._first_problem(problem or self._shape_report(wanted, stored, path))
         if problem:
             raise CheckpointError(problem)
-        targets = {sharded.MODEL + k: torch.empty(stored[k][0], dtype=stored[k][1]) for k in wanted if k in stored}
-        sharded.read_tensors(path, targets)
-        return {k[len(sharded.MODEL) :]: v for k, v in targets.items()}
+        live = s.lightning_module.state_dict(keep_vars=True)
+        regions, seen = {}, set()
+        for name in wanted:
+            if name not in stored or id(live[name]) in seen:  # tied weights are read once
+                continue
+            seen.add(id(live[name]))
+            region = dtensor_region(splits_region(name, stored[name][0], self.splits), live[name])
+            regions[sharded.MODEL + name] = (region, local_tensor(live[name]).detach())
+        with torch.no_grad():
+            sharded.read_regions(path, regions)
 
     def _key_report(self, wanted: list[str], stored: Mapping[str, Any], path: Path) -> str | None:
         # Other ranks hold other stages / experts: a key is unexpected only if no rank wants it.
@@ -382,15 +403,13 @@ class StrategyCheckpoints:
         return "\n".join(lines)
 
     def _shape_report(self, wanted: list[str], stored: Mapping[str, Any], path: Path) -> str | None:
-        """Cut shape-only (meta) tensors of the stored sizes the way loading will, and compare."""
+        """Cut the stored sizes the way loading will, and compare."""
         local = self.strategy.lightning_module.state_dict()
-        pieces = {k: torch.empty(stored[k][0], dtype=stored[k][1], device="meta") for k in wanted if k in stored}
-        for split in self.splits:
-            pieces = split.local_state(pieces)
+        pieces = {k: splits_region(k, stored[k][0], self.splits).local_shape for k in wanted if k in stored}
         wrong = [
-            f"{k}: model {tuple(local[k].shape)}, checkpoint {tuple(v.shape)} (this rank's piece)"
-            for k, v in pieces.items()
-            if k in local and isinstance(v, Tensor) and tuple(v.shape) != tuple(local[k].shape)
+            f"{k}: model {tuple(local[k].shape)}, checkpoint {shape} (this rank's piece)"
+            for k, shape in pieces.items()
+            if k in local and shape != tuple(local[k].shape)
         ]
         if not wrong:
             return None
@@ -417,13 +436,18 @@ class StrategyCheckpoints:
             )
         for i, (optimizer, state) in enumerate(zip(s.optimizers, states)):
             with s._keyed_by_model_params(optimizer):
-                if isinstance(state, StoredState):
-                    state = self._read_optimizer(state.path, i, optimizer, checkpoint)
-                if s._ep is not None and s._ep.ep > 1:
-                    state = {**state, "state": _per_stat(state["state"], s._ep.local_state)}
-                if s._tp is not None:
-                    state = s._tp.local_optimizer_state(state)
                 try:
+                    if isinstance(state, StoredState):  # read as each optimizer parameter holds it
+                        state = self._read_optimizer(state.path, i, optimizer, checkpoint)
+                        if s._zero is None:
+                            full.load_named_optimizer_state(optimizer, state, self._param_names())
+                        else:
+                            s._zero.load_full_optimizer_state(optimizer, state, local=True)
+                        continue
+                    if s._ep is not None and s._ep.ep > 1:
+                        state = {**state, "state": _per_stat(state["state"], s._ep.local_state)}
+                    if s._tp is not None:
+                        state = s._tp.local_optimizer_state(state)
                     if s._zero is None:
                         full.load_dcp_optimizer_state(s.lightning_module, optimizer, state)
                     else:
@@ -432,6 +456,9 @@ class StrategyCheckpoints:
                     raise CheckpointError(f"optimizer {i}'s state does not fit this optimizer: {err}") from err
 
     def _read_optimizer(self, path: Path, index: int, optimizer: Any, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+        """Optimizer ``index``'s state, each value at the size its parameter holds on this rank
+        (a tp / ep piece, an FSDP2 shard as a DTensor, a ZeRO-1/2 flat slice as a DTensor), read
+        straight from the stored full-shape tensors' regions."""
         names = self._param_names()
         groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
         stored_groups = checkpoint["optimizer_param_groups"][index]
@@ -445,21 +472,45 @@ class StrategyCheckpoints:
         if problem:
             raise CheckpointError(problem)
         prefix = f"{sharded.OPTIM}{index}.state."
-        mine = {n for g in groups for n in g}
-        targets = {}
+        params = {names[id(p)]: p for g in optimizer.param_groups for p in g["params"]}
+        regions: dict[str, tuple[Region, Tensor]] = {}
+        finish: dict[str, Callable[[Tensor], Tensor]] = {}
         for key, (size, dtype) in sharded.tensor_shapes(path).items():
-            if key.startswith(prefix) and key[len(prefix) :].rsplit(".", 1)[0] in mine:
-                targets[key] = torch.empty(size, dtype=dtype)
-        sharded.read_tensors(path, targets)
+            if not key.startswith(prefix) or key[len(prefix) :].rsplit(".", 1)[0] not in params:
+                continue
+            name = key[len(prefix) :].rsplit(".", 1)[0]
+            region, finish[key] = self._optimizer_region(name, params[name], tuple(size))
+            regions[key] = (region, torch.empty(region.local_shape, dtype=dtype))
+        sharded.read_regions(path, regions)
         state: dict[str, dict[str, Any]] = {}
-        for key, value in targets.items():
+        for key, (_, value) in regions.items():
             name, stat = key[len(prefix) :].rsplit(".", 1)
-            state.setdefault(name, {})[stat] = value
+            state.setdefault(name, {})[stat] = finish[key](value)
         for name, stats in checkpoint.get("optimizer_nontensor_state", [{}] * (index + 1))[index].items():
-            if name in mine:
+            if name in params:
                 state.setdefault(name, {}).update(stats)
         param_groups = [{**hyper, "params": g} for hyper, g in zip(stored_groups, groups)]
         return {"state": state, "param_groups": param_groups}
+
+    def _optimizer_region(
+        self, name: str, param: Tensor, size: tuple[int, ...]
+    ) -> tuple[Region, Callable[[Tensor], Tensor]]:
+        """Where an optimizer parameter's state value comes from in the stored tensor, and what
+        turns the value read into what the optimizer holds. A 0-dim value (Adam's step) is whole."""
+        if not size:
+            return Region.whole(size), lambda value: value
+        zero = self.strategy._zero
+        region = splits_region(name, size, self.splits)
+        flat = zero.flat_slice(param) if zero is not None else None
+        if flat is not None:  # a ZeRO-1/2 master: a flat slice, read as its covering rows
+            cut = FlatSlice(*flat)
+            covering, start = cut.covering(region)
+            return covering, lambda value: zero.from_flat(param, value.reshape(-1)[start : start + cut.length].clone())
+        if isinstance(param, DTensor):  # an FSDP2 shard: the state is a DTensor like its parameter
+            return dtensor_region(region, param), lambda value: DTensor.from_local(
+                value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+            )
+        return region, lambda value: value
 
     def _param_names(self) -> dict[int, str]:
         s = self.strategy

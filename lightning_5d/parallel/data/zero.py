@@ -435,6 +435,18 @@ class ZeroDataParallel:
         """A full-shape optimizer-state value -> the slice ``p`` holds (no communication)."""
         return self._localize(value, p, self._shard_of.get(id(self._param_of(p))))
 
+    def flat_slice(self, p: torch.Tensor) -> tuple[int, int] | None:
+        """(start, length) of the flattened parameter a master slice ``p`` holds; None when
+        ``p`` holds its parameter whole (stage 0, a frozen parameter)."""
+        s = self._shard_of.get(id(p))
+        if s is None or p is s.param:
+            return None
+        return s.start, s.length
+
+    def from_flat(self, p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """This rank's flat slice of an optimizer-state value of ``p`` -> the value ``p``'s state holds."""
+        return self._as_dtensor(local, self._shard_of[id(p)])
+
     def _localize(self, value, p: torch.Tensor, s: _ParamShard | None):
         if not isinstance(value, torch.Tensor) or value.dim() == 0 or s is None or p is s.param:
             return value

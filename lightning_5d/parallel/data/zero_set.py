@@ -70,7 +70,15 @@ class ZeroSet:
         groups = [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]
         return {"state": full_state, "param_groups": groups}
 
-    def load_full_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    def flat_slice(self, p: torch.Tensor) -> tuple[int, int] | None:
+        return self._owner(p).flat_slice(p)
+
+    def from_flat(self, p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        return self._owner(p).from_flat(p, local)
+
+    def load_full_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict, local: bool = False) -> None:
+        """Load a name-keyed state: full-shape values (each rank keeps its slices), or with
+        ``local=True`` values already cut to what each optimizer parameter holds."""
         params = _flat_params(optimizer)
         owners = [self._owner(p) for p in params]
         index = {e.name_of(p): i for i, (e, p) in enumerate(zip(owners, params))}
@@ -85,7 +93,7 @@ class ZeroSet:
         local_state = {}
         for name, entry in state["state"].items():
             i = index[name]
-            local_state[i] = {k: owners[i].local_value(params[i], v) for k, v in entry.items()}
+            local_state[i] = entry if local else {k: owners[i].local_value(params[i], v) for k, v in entry.items()}
         groups = [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]
         optimizer.load_state_dict({"state": local_state, "param_groups": groups})
 

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from lightning_5d.materialize.apply import placement_device
 from lightning_5d.config import ExpertConfig, LoadBalancing
+from lightning_5d.parallel.regions import Region
 from lightning_5d.mesh import ParallelMesh
 from lightning_5d.parallel.expert.balance import AttachAuxLoss, load_balancing_loss, update_bias
 from lightning_5d.parallel.expert.dispatch import DispatchPlan, dispatch_and_combine, exchange_counts, plan_dispatch
@@ -362,6 +363,17 @@ class ExpertParallel:
             elif lo <= int(rest.split(".")[0]) < hi:
                 out[key] = value
         return out
+
+
+    def local_region(self, name: str, region: Region) -> Region:
+        """The rows of a grouped experts tensor this rank keeps (:meth:`local_state` without the tensor);
+        experts kept as a list are whole tensors of their own, held by name."""
+        if self.group is None:
+            return region
+        layer = next((la for la in self.layers if name.startswith(la.path + ".")), None)
+        if layer is None or layer.plan.experts_kind != ExpertsKind.GROUPED or name[len(layer.path) + 1 :] not in layer.sliced:
+            return region
+        return region.select(0, [self.local_range(layer.plan.num_experts)])
 
 
 def _ordered_like(out: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:

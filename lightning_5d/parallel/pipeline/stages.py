@@ -50,6 +50,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_5d.materialize.apply import placement_device
 from lightning_5d.config import PipelineConfig, PipelineSchedule
+from lightning_5d.parallel.regions import Region
 from lightning_5d.mesh import ParallelMesh
 from lightning_5d.pipeline_shape import (
     V_SHAPED,
@@ -593,6 +594,10 @@ class PipelineParallel:
         """A full state dict -> the entries of this rank's stages (no communication)."""
         local = set(self.module.state_dict())
         return {k: v for k, v in state.items() if k in local}
+
+    def local_region(self, name: str, region: Region) -> Region:
+        """A stage holds whole tensors (the names of its layers): nothing is cut."""
+        return region
 
     def describe(self) -> str:
         ranges = ", ".join(f"{s}:{r.start}-{r.stop - 1}@{self.owner[s]}" for s, r in enumerate(self.ranges))

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_5d.parallel.regions import Region, chunk_ranges
 from lightning_5d.materialize.apply import placement_device
 from lightning_5d.config import LayoutError
 from lightning_5d.parallel.tensor import ops as tensor_ops
@@ -485,6 +486,15 @@ class TensorParallel:
 
     def local_optimizer_state(self, state: dict[str, Any]) -> dict[str, Any]:
         return {**state, "state": {n: {k: self._local(n, v) for k, v in s.items()} for n, s in state["state"].items()}}
+
+    def local_region(self, name: str, region: Region) -> Region:
+        """The index ranges of ``name``'s full tensor this rank keeps (what :meth:`local_state`
+        would cut, without the tensor): chunk ``rank`` of each fused segment along the shard dim."""
+        shard = self.shards.get(name)
+        if shard is None or not region.shape:
+            return region
+        size = region.local_shape[shard.dim]
+        return region.select(shard.dim, chunk_ranges(size, self.size, self.rank, shard.segments))
 
     def _full(self, name: str, value: Any) -> Any:
         shard = self.shards.get(name)

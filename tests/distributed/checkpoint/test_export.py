@@ -128,7 +128,7 @@ def pretrained_source(tmp_path, model: str, shard: str | None = None, seed: int 
 @pytest.mark.parametrize(
     "model,nproc,layout,shard",
     [
-        ("gpt2", 2, ["--zero", 3, "--group-mb", 0.05, "--load-at", "setup"], None),  # FSDP2 per group, tied head
+        ("gpt2", 2, ["--zero", 3, "--load-at", "setup"], None),  # FSDP2 shards, tied head
         pytest.param("llama", 2, ["--tp", 2], None, marks=pytest.mark.slow),  # FiveDStrategy(pretrained=...)
         pytest.param("llama", 4, ["--tp", 2, "--zero", 3], "100KB", marks=pytest.mark.slow),  # sharded index
         pytest.param("llama", 4, ["--tp", 2, "--pp", 2, "--weights-only"], None, marks=pytest.mark.slow),

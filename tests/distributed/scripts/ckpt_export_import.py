@@ -39,7 +39,6 @@ parser.add_argument("--zero", type=int, default=1)
 parser.add_argument("--steps", type=int, default=2)
 parser.add_argument("--pretrained", default=None, help="a .safetensors / .pt file or a Hugging Face folder")
 parser.add_argument("--prefix", default=None)
-parser.add_argument("--group-mb", type=float, default=1024.0)
 parser.add_argument(
     "--load-at",
     default="option",
@@ -62,7 +61,7 @@ def record_load(strategy, report) -> None:
     state = strategy.full_model_state()
     if dist.get_rank() == 0:
         torch.save({k: v.detach().cpu().clone() for k, v in state.items()}, out / "loaded.pt")
-        (out / "load.json").write_text(json.dumps({"prefix": report.prefix, "calls": report.calls}))
+        (out / "load.json").write_text(json.dumps({"prefix": report.prefix, "bytes_read": report.bytes_read}))
 
 
 class PretrainedStrategy(lightning_5d.FiveDStrategy):
@@ -80,7 +79,7 @@ class PretrainedStrategy(lightning_5d.FiveDStrategy):
 
     def load_pretrained(self) -> None:
         if args.pretrained is not None:
-            record_load(self, load_pretrained(self, args.pretrained, prefix=args.prefix, group_mb=args.group_mb))
+            record_load(self, load_pretrained(self, args.pretrained, prefix=args.prefix))
 
 
 class RecordOptionLoad(L.Callback):

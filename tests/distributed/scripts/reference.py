@@ -14,9 +14,12 @@ from tests_support import BATCH_SIZE, MODELS, RecordingLM, make_datamodule
 
 def reference_run(steps: int, data_ranks: int, accumulate: int = 1, clip: float | None = None,
                   dtype: torch.dtype = torch.float32, num_samples: int | None = None, model: str = "tiny",
-                  batch_size: int = BATCH_SIZE, aux_loss_coef: float = 0.0):  # fmt: skip
+                  batch_size: int = BATCH_SIZE, aux_loss_coef: float = 0.0,
+                  initial_state: dict | None = None):  # fmt: skip
     L.seed_everything(0, verbose=False)
     model = RecordingLM(config=MODELS[model]).to(dtype)
+    if initial_state is not None:  # pretrained weights in place of the seeded initialization
+        model.load_state_dict(initial_state)
     router_probs = []
     if aux_loss_coef:  # the Switch loss on the whole batch, written out independently of lightning_5d
         for block in model.model.layers:

@@ -64,7 +64,20 @@ parser.add_argument(
     help="eager: in __init__; meta: under trainer.init_module(empty_init=True); configure: in configure_model",
 )
 parser.add_argument("--verify", default="blocks", choices=["blocks", "off"])
+parser.add_argument("--pretrained", default=None, help="FiveDStrategy(pretrained=...); loaded.pt: the state it loaded")
 parser.add_argument("--out", required=True)
+
+
+class RecordLoaded(L.Callback):
+    """The full model state before the first step (what pretrained= loaded), written by rank 0."""
+
+    def __init__(self, out: Path):
+        self.out = out
+
+    def on_train_start(self, trainer, pl_module):
+        state = trainer.strategy.full_model_state()  # a collective: every rank
+        if dist.get_rank() == 0:
+            torch.save({k: v.detach().clone() for k, v in state.items()}, self.out / "loaded.pt")
 
 
 class MeasureModelState(L.Callback):
@@ -131,11 +144,14 @@ def run(args: argparse.Namespace) -> None:
             keep_last_k=args.keep_last_k,
             bucket_size_mb=0.05,
             verify=args.verify,
+            pretrained=args.pretrained,
         )
 
     measure = MeasureModelState()
     logged_losses = RecordLogged()
     callbacks = [measure, logged_losses]
+    if args.pretrained:
+        callbacks.append(RecordLoaded(Path(args.out)))
     if args.save:
         callbacks.append(ModelCheckpoint(dirpath=args.out, filename="{epoch}", save_top_k=-1, save_on_train_epoch_end=True))
     if args.save_every:

@@ -38,19 +38,11 @@ class CausalLM(L.LightningModule):
 
 
 class Strategy:
-    """What load_pretrained needs of a strategy: the module and load_model_state_dict."""
+    """What load_pretrained needs of a strategy: the module and its tp / ep / pp splits."""
 
     def __init__(self, module, splits=()):
         self.lightning_module = module
         self.checkpoints = SimpleNamespace(splits=list(splits))
-        self.calls: list[list[str]] = []
-
-    def load_model_state_dict(self, checkpoint, strict=True):
-        state = checkpoint["state_dict"]
-        self.calls.append(list(state))
-        for split in self.checkpoints.splits:
-            state = split.local_state(state)
-        self.lightning_module.load_state_dict(state, strict=strict)
 
 
 def write(source: nn.Module, tmp_path, kind: str):
@@ -138,21 +130,6 @@ def test_moe_folders_stored_per_expert_get_a_conversion_hint(tmp_path):
     assert_loaded(target, source)
 
 
-def test_groups_follow_the_module_order_within_the_size_limit(tmp_path):
-    source = build_llama(0)
-    path = write(source, tmp_path, "safetensors")
-    target = CausalLM(build_llama(1))
-    strategy = Strategy(target)
-    limit = 0.02  # MiB: a few small tensors per group
-    report = load_pretrained(strategy, path, group_mb=limit)
-    assert report.calls == len(strategy.calls) > 3
-    assert [k for call in strategy.calls for k in call] == list(target.state_dict())
-    sizes = {k: v.numel() * v.element_size() for k, v in target.state_dict().items()}
-    for call in strategy.calls:
-        assert len(call) == 1 or sum(sizes[k] for k in call) <= limit * 2**20
-    assert_loaded(target, source)
-
-
 class HalfRows:
     """A stand-in tensor-parallel split: this rank keeps the first half of some weights' rows."""
 
@@ -161,6 +138,9 @@ class HalfRows:
 
     def local_state(self, state):
         return {k: v[: v.shape[0] // 2].clone() if k in self.names else v for k, v in state.items()}
+
+    def local_region(self, name, region):
+        return region.select(0, [(0, region.local_shape[0] // 2)]) if name in self.names else region
 
 
 def test_split_layouts_check_and_load_their_own_pieces(tmp_path):
@@ -194,8 +174,8 @@ def test_a_rank_reads_only_the_entries_it_holds(tmp_path, monkeypatch):
     real_gather = pretrained._gather
     monkeypatch.setattr(pretrained, "_gather", lambda obj: [obj, others] if isinstance(obj, list) else real_gather(obj))
     read = []
-    real_get = pretrained.StateSource.get
-    monkeypatch.setattr(pretrained.StateSource, "get", lambda self, key: read.append(key) or real_get(self, key))
+    real_read = pretrained.StateSource.read
+    monkeypatch.setattr(pretrained.StateSource, "read", lambda self, key, i: read.append(key) or real_read(self, key, i))
     report = load_pretrained(Strategy(target), path)
     assert sorted("model." + k for k in read) == sorted(target.state_dict()) and report.loaded == len(read)
     for k, v in target.state_dict().items():
@@ -263,3 +243,59 @@ def test_bad_sources_get_clear_errors(tmp_path):
     index.write_text(json.dumps(weight_map))
     with pytest.raises(CheckpointError, match="names model-missing.safetensors"):
         load_pretrained(Strategy(target), index.parent)
+
+
+# ---------------------------------------------------------------------- slices only
+class FusedBlock(nn.Module):
+    """A fused [q|k|v] (grouped kv) and [gate|up], a row-parallel output, and an embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+        self.qkv = nn.Linear(16, 32, bias=True)  # q 16, k 8, v 8
+        self.o = nn.Linear(16, 16, bias=False)
+        self.gate_up = nn.Linear(16, 48, bias=False)
+        self.norm = nn.LayerNorm(16)
+
+
+def test_a_tensor_parallel_rank_reads_its_slices_and_nothing_more(tmp_path, monkeypatch):
+    """A counting reader: the bytes a rank reads are exactly its share, each read at most one
+    tensor's slice, and no cut tensor is ever read whole."""
+    from lightning_5d.parallel.tensor.sharding import TensorParallel, TensorShard
+
+    torch.manual_seed(0)
+    source = FusedBlock()
+    path = tmp_path / "w.safetensors"
+    save_file({k: v.detach().clone() for k, v in source.state_dict().items()}, path)
+    shards = {"embed.weight": TensorShard(0), "qkv.weight": TensorShard(0, (16, 8, 8)),
+              "qkv.bias": TensorShard(0, (16, 8, 8)), "o.weight": TensorShard(1),
+              "gate_up.weight": TensorShard(0, (24, 24))}  # fmt: skip
+    size = 2
+    real_read = pretrained.StateSource.read
+    for rank in range(size):
+        tp = object.__new__(TensorParallel)
+        tp.shards, tp.rank, tp.size = shards, rank, size
+        target = FusedBlock()
+        for name, shard in shards.items():  # this rank's pieces, as tensor parallelism leaves them
+            module, attr = name.rsplit(".", 1)
+            piece = shard.take(getattr(target.get_submodule(module), attr).detach(), rank, size)
+            setattr(target.get_submodule(module), attr, nn.Parameter(torch.zeros_like(piece)))
+        reads = []
+
+        def counting(self, key, index):
+            value = real_read(self, key, index)
+            reads.append((key, value.numel() * value.element_size()))
+            return value
+
+        monkeypatch.setattr(pretrained.StateSource, "read", counting)
+        report = load_pretrained(Strategy(target, [tp]), path)
+        share = {k: v.numel() * v.element_size() for k, v in target.state_dict().items()}
+        assert report.bytes_read == sum(n for _, n in reads) == sum(share.values())  # exactly the share
+        full = source.state_dict()
+        for key, n in reads:
+            assert n <= share[key]  # one rectangle of one tensor's slice at a time
+            if key in shards:
+                assert n < full[key].numel() * full[key].element_size(), f"{key} read whole"
+        for name, value in target.state_dict().items():
+            want = shards[name].take(full[name], rank, size) if name in shards else full[name]
+            assert torch.equal(value, want), (rank, name)

@@ -123,3 +123,28 @@ def test_an_asynchronous_write_keeps_the_values_of_the_moment_it_was_started(tmp
     future.result()
     sharded.write_extras(tmp_path, {}, {})
     assert torch.equal(read_model_state(tmp_path)["w"], torch.ones(1000))
+
+
+def test_regions_read_only_the_rank_piece_of_each_stored_tensor(tmp_path):
+    """A tp rank's [q|k|v] chunks, a column cut and a 0-dim value, read straight into their outputs."""
+    from lightning_5d.parallel.regions import FlatSlice, Region
+    from lightning_5d.parallel.tensor.sharding import TensorShard
+
+    qkv = torch.randn(48, 8)
+    o = torch.randn(8, 16)
+    step = torch.tensor(7.0)
+    dcp.save({"qkv": qkv, "o": o, "step": step}, checkpoint_id=tmp_path, no_dist=True)
+    shard = TensorShard(0, (32, 8, 8))
+    whole = Region.whole(qkv.shape)
+    qkv_region = whole.select(0, [(16, 32), (36, 40), (44, 48)])  # rank 1 of tp=2
+    o_region = Region.whole(o.shape).select(1, [(8, 16)])
+    flat, start = FlatSlice(20, 30).covering(Region.whole(o.shape))
+    regions = {key: (r, torch.empty(r.local_shape)) for key, r in (("qkv", qkv_region), ("o", o_region))}
+    regions["step"] = (Region.whole(()), torch.empty(()))
+    sharded.read_regions(tmp_path, regions)
+    assert torch.equal(regions["qkv"][1], shard.take(qkv, 1, 2))
+    assert torch.equal(regions["o"][1], o[:, 8:])
+    assert regions["step"][1] == 7
+    rows = {"o": (flat, torch.empty(flat.local_shape))}
+    sharded.read_regions(tmp_path, rows)
+    assert torch.equal(rows["o"][1].reshape(-1)[start : start + 30], o.reshape(-1)[20:50])
