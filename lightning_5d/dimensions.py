@@ -87,6 +87,11 @@ class ApplyContext:
         if self.meta_built:
             applied = self.applied
             self.meta.materialize(self.module, self.device, [applied.tp, applied.ep, applied.pp])
+            # Materializing puts new Parameter objects in place of the meta ones, and the hooks
+            # the tensor step registered on those (tp's partial-gradient sums: SP's norms, per-head
+            # q/k norms) went with them: register them on the real parameters.
+            if applied.tp is not None and applied.tp.has_partial_grads and self.config.zero != ZeroStage.PARAMETERS:
+                applied.tp.register_sequence_parallel_grad_hooks(self.module)
 
     @property
     def layout(self) -> Layout:

@@ -148,7 +148,9 @@ def materialize(
     state = module.state_dict(keep_vars=True)
     persistent = [k for k, v in state.items() if isinstance(v, Tensor) and v.is_meta]
     buffers = [n for n, b in module.named_buffers() if b.is_meta and n.replace(_WRAPPED, "") not in state]
+    shared = _shared_parameters(module)
     module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    _retie(shared)
     missing = [k for k in persistent if k not in refs] + [n for n in buffers if n.replace(_WRAPPED, "") not in refs]
     if missing:
         raise MaterializeError(
@@ -172,6 +174,26 @@ def materialize(
             _fill(name, live[name], replay.value(refs[name.replace(_WRAPPED, "")]))
     release_freed_memory()
     return len(persistent) + len(buffers)
+
+
+def _shared_parameters(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """The (module, attribute) places of each parameter held in more than one place (tied weights)."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for owner in module.modules():
+        for key, param in owner._parameters.items():
+            if param is not None:
+                places.setdefault(id(param), []).append((owner, key))
+    return [group for group in places.values() if len(group) > 1]
+
+
+def _retie(shared: list[list[tuple[nn.Module, str]]]) -> None:
+    """``Module._apply`` replaces a meta parameter in each module that holds it, one new tensor per
+    place, so tied weights (an embedding shared with the head) would train as two; point every
+    place back at one."""
+    for (first, first_key), *others in shared:
+        param = first._parameters[first_key]
+        for owner, key in others:
+            owner._parameters[key] = param
 
 
 def _fill(name: str, target: Tensor, piece: Tensor) -> None:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
-from lightning_5d.config import ParallelConfig, VerifyMode, ZeroStage
+from lightning_5d.config import ActivationCheckpointing, ParallelConfig, VerifyMode, ZeroStage
 from lightning_5d.materialize.heap import release_freed_memory
 from lightning_5d.parallel.pipeline import PipelineMode
 from lightning_5d.parallel.pipeline.fsdp import drop_held_gradients
@@ -146,6 +146,13 @@ class PlanCheck:
         grads = grads and not any(has_dtensor_parameters(m) for _, m in held)
         if self.config.verify == VerifyMode.BLOCKS and not grads:
             report.skipped.append("parameter gradients (ZeRO-3: FSDP2 owns the parameters the forward used)")
+        # Under activation checkpointing the piece's backward recomputes its forward, and here that
+        # recomputation would run after the probe, outside the context (cp's sequence shard and
+        # attention routing) its forward ran in: torch refuses the mismatched recomputation.
+        if grads and self.config.activation_checkpointing != ActivationCheckpointing.NONE:
+            grads = False
+            report.skipped.append("parameter gradients (activation checkpointing: the recomputation in backward "
+                                  "would run outside the probe's context; outputs are compared)")  # fmt: skip
         recorder = Recorder()
         for piece, live in held:
             recorder.watch(piece.path, live, inputs=True, keep_graph=grads)
