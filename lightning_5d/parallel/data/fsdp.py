@@ -64,6 +64,10 @@ def apply_fsdp(
         members = group if isinstance(group, list) else [group]
         units.extend(members)  # type: ignore[arg-type]
         heads.append(members[0])
+    taken = {id(p) for b in blocks for p in b.parameters()} | {id(p) for m in inner for p in m.parameters()}
+    for unit, reshard in _outer_units(module, blocks, taken, in_pipeline=root_holds_blocks):
+        fully_shard(unit, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+        units.extend(unit if isinstance(unit, list) else [unit])  # type: ignore[arg-type]
     root = _root_for_remaining(module, blocks, root_holds_blocks)
     if root is not None:
         fully_shard(root, mesh=dp_mesh, mp_policy=policy)
@@ -120,6 +124,47 @@ def apply_fp8_gather_units(
         fully_shard(linear, mesh=fsdp_mesh(mesh), mp_policy=policy)
         units.append(linear)  # type: ignore[arg-type]
     return units
+
+
+def _outer_units(
+    module: nn.Module, blocks: Sequence[nn.Module], taken: set[int], in_pipeline: bool
+) -> list[tuple[nn.Module | list[nn.Module], bool]]:
+    """Units for the large parameters outside the blocks, so that the root holds only what is left.
+
+    Each token embedding (an ``nn.Embedding``) is its own unit, resharded after its forward: it
+    is used first in forward and last in backward, so keeping it gathered would hold Vh for the
+    whole step. Every other leaf that owns parameters outside the blocks (final norm, head) joins
+    one unit (FSDP2 gathers a list together) that stays gathered after forward: it runs last in
+    forward and first in backward, so resharding it would only gather it again at once.
+    Modules that share a parameter with another module (a head tied to the embedding) stay in
+    the root, as one unit must hold a shared parameter; so do parameters set directly on a
+    container of the blocks (their forward is the container's). Under pp every unit keeps its
+    parameters across the schedule's microbatches (``in_pipeline``: no reshard after forward).
+    """
+    owners: dict[int, list[nn.Module]] = {}
+    containers = {id(m) for m in module.modules() if any(id(p) in taken for p in m.parameters())}
+    for m in module.modules():
+        for p in m.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(m)
+    embeddings: list[nn.Module] = []
+    rest: list[nn.Module] = []
+    seen: set[int] = set()
+    for m in module.modules():
+        own = [p for p in m.parameters(recurse=False) if id(p) not in taken]
+        if not own or id(m) in seen or id(m) in containers or m is module:
+            continue
+        seen.add(id(m))
+        # A shared parameter (tied head), or a module with a child owning parameters of its
+        # own (its forward may read them in ways a separate unit's hooks would not see).
+        if any(len(owners[id(p)]) > 1 for p in own) or any(
+            any(True for _ in c.parameters()) for c in m.children()
+        ):
+            continue
+        (embeddings if isinstance(m, nn.Embedding) else rest).append(m)
+    out: list[tuple[nn.Module | list[nn.Module], bool]] = [(e, not in_pipeline) for e in embeddings]
+    if rest:
+        out.append((rest if len(rest) > 1 else rest[0], False))
+    return out
 
 
 def _set_prefetch(blocks: Sequence[FSDPModule]) -> None:
