@@ -1,9 +1,12 @@
 """ZeRO-3: parameters, gradients and optimizer states sharded with FSDP2 ``fully_shard``.
 
 One FSDP unit per transformer block (so at most one block's parameters are gathered at a
-time; a block that is a bare ``nn.ModuleList`` is its children, gathered together) plus one
-for everything else (embedding, final norm, head): the lowest common ancestor of those
-parameters. When that ancestor is the LightningModule itself (embedding, norm and head as
+time; a block that is a bare ``nn.ModuleList`` is its children, gathered together), one per
+token embedding, one for the final norm and head (``_outer_units``), and the root for whatever
+is left: the lowest common ancestor of the parameters outside the blocks. A head tied to the
+embedding stays with it in the root (one unit holds a shared parameter). So the largest
+gathered unit is a block or one V x h matrix, never the embedding and head together, which
+bounds every step's peak, the plan verifier's probe included. When that ancestor is the LightningModule itself (embedding, norm and head as
 its own attributes), Lightning calls ``training_step``, not ``forward``, so FSDP's forward
 hooks on it would never unshard those parameters: the strategy then routes each step
 through the module's forward (see ``AppliedDimensions.run_step``).
@@ -138,7 +141,8 @@ def _outer_units(
     forward and first in backward, so resharding it would only gather it again at once.
     Modules that share a parameter with another module (a head tied to the embedding) stay in
     the root, as one unit must hold a shared parameter; so do parameters set directly on a
-    container of the blocks (their forward is the container's). Under pp every unit keeps its
+    container of the blocks (their forward is the container's) and any module holding
+    parameters next to children that hold some, with those children. Under pp every unit keeps its
     parameters across the schedule's microbatches (``in_pipeline``: no reshard after forward).
     """
     owners: dict[int, list[nn.Module]] = {}
@@ -146,19 +150,25 @@ def _outer_units(
     for m in module.modules():
         for p in m.parameters(recurse=False):
             owners.setdefault(id(p), []).append(m)
+    # A module with parameters of its own and children with parameters (its forward may read a
+    # child's weight directly, where a unit's hooks on the child would not see it): its whole
+    # subtree stays in the root.
+    mixed = [
+        name + "."
+        for name, m in module.named_modules()
+        if m is not module and id(m) not in containers
+        and any(True for _ in m.parameters(recurse=False)) and any(True for c in m.children() for _ in c.parameters())
+    ]
     embeddings: list[nn.Module] = []
     rest: list[nn.Module] = []
     seen: set[int] = set()
-    for m in module.modules():
+    for name, m in module.named_modules():
         own = [p for p in m.parameters(recurse=False) if id(p) not in taken]
         if not own or id(m) in seen or id(m) in containers or m is module:
             continue
         seen.add(id(m))
-        # A shared parameter (tied head), or a module with a child owning parameters of its
-        # own (its forward may read them in ways a separate unit's hooks would not see).
-        if any(len(owners[id(p)]) > 1 for p in own) or any(
-            any(True for _ in c.parameters()) for c in m.children()
-        ):
+        # A shared parameter (tied head): one unit must hold it, the root's.
+        if any(len(owners[id(p)]) > 1 for p in own) or any(f"{name}.".startswith(pre) for pre in mixed):
             continue
         (embeddings if isinstance(m, nn.Embedding) else rest).append(m)
     out: list[tuple[nn.Module | list[nn.Module], bool]] = [(e, not in_pipeline) for e in embeddings]
