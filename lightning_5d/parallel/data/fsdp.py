@@ -6,10 +6,11 @@ token embedding, one for the final norm and head (``_outer_units``), and the roo
 is left: the lowest common ancestor of the parameters outside the blocks. A head tied to the
 embedding stays with it in the root (one unit holds a shared parameter). So the largest
 gathered unit is a block or one V x h matrix, never the embedding and head together, which
-bounds every step's peak, the plan verifier's probe included. When that ancestor is the LightningModule itself (embedding, norm and head as
-its own attributes), Lightning calls ``training_step``, not ``forward``, so FSDP's forward
-hooks on it would never unshard those parameters: the strategy then routes each step
-through the module's forward (see ``AppliedDimensions.run_step``).
+bounds every step's peak, the plan verifier's probe included. When that ancestor is the
+LightningModule itself (embedding, norm and head as its own attributes), Lightning calls
+``training_step``, not ``forward``, so FSDP's forward hooks on it would never unshard the
+parameters left there: the strategy then routes each step through the module's forward (see
+``AppliedDimensions.run_step``).
 """
 
 from __future__ import annotations
@@ -142,8 +143,8 @@ def _outer_units(
     Modules that share a parameter with another module (a head tied to the embedding) stay in
     the root, as one unit must hold a shared parameter; so do parameters set directly on a
     container of the blocks (their forward is the container's) and any module holding
-    parameters next to children that hold some, with those children. Under pp every unit keeps its
-    parameters across the schedule's microbatches (``in_pipeline``: no reshard after forward).
+    parameters next to children that hold some, with those children. Under pp every unit keeps
+    its parameters across the schedule's microbatches (``in_pipeline``: no reshard after forward).
     """
     owners: dict[int, list[nn.Module]] = {}
     containers = {id(m) for m in module.modules() if any(id(p) in taken for p in m.parameters())}
@@ -161,12 +162,10 @@ def _outer_units(
     ]
     embeddings: list[nn.Module] = []
     rest: list[nn.Module] = []
-    seen: set[int] = set()
     for name, m in module.named_modules():
         own = [p for p in m.parameters(recurse=False) if id(p) not in taken]
-        if not own or id(m) in seen or id(m) in containers or m is module:
+        if not own or id(m) in containers or m is module:
             continue
-        seen.add(id(m))
         # A shared parameter (tied head): one unit must hold it, the root's.
         if any(len(owners[id(p)]) > 1 for p in own) or any(f"{name}.".startswith(pre) for pre in mixed):
             continue
