@@ -216,6 +216,9 @@ def buffer_bytes(spec: ModelSpec, setup: TrainingSetup, rank: RankParams) -> dic
         # FSDP keeps the gathered weights of the running layer and the prefetched next one,
         # plus one layer's full gradients before its reduce-scatter.
         out["zero3_gather"] = 2 * layer * param_b + layer * grad_b
+        # ...and the unit holding the head, which is not resharded after forward (it runs last in
+        # forward, first in backward; parallel/data/fsdp.py), from its forward to its backward.
+        out["zero3_head_unit"] = zero3_head_unit(spec, setup.tp) * param_b
     elif setup.grad_reduce_group > 1:
         out["grad_buckets"] = 2 * DEFAULT_BUCKET_BYTES
     if setup.precision == Precision.FP8:
@@ -227,6 +230,19 @@ def buffer_bytes(spec: ModelSpec, setup: TrainingSetup, rank: RankParams) -> dic
         )
         out.update(_context_parallel_transient(spec, setup, chunk))
     return out
+
+
+def zero3_head_unit(spec: ModelSpec, tp: int = 1, counts: ParamCounts | None = None) -> int:
+    """Parameters of the ZeRO-3 unit that stays gathered through a step (one rank, after tp).
+
+    Untied: final norm + head (the embedding is a unit of its own, resharded after its forward).
+    Tied: the embedding, which the head shares, stays in the root unit with the final norm; FSDP2
+    does not reshard the root after forward, so the shared V*h is held for the whole step.
+    """
+    c = counts or count_params(spec)
+    if spec.tie_embeddings:
+        return c.embedding // tp + c.final_norm
+    return c.final_norm + c.head // tp
 
 
 def _context_parallel_transient(spec: ModelSpec, setup: TrainingSetup, kv_block: float) -> dict[str, float]:

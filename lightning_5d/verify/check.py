@@ -160,6 +160,11 @@ class PlanCheck:
                 recorder.watch(f"{piece.path}.{inner}", live.get_submodule(inner), inputs=False)
         modes = {m: m.training for m in module.modules()}
         module.eval()  # dropout off on both sides: the reference pieces are compared in eval mode too
+        # Each ZeRO-3 unit's gathered parameters are freed after its forward, but glibc keeps those
+        # below its mmap threshold (a block's 25 MiB matrices) for reuse, scattered over its arenas:
+        # RSS grew by about every unit of the model. Give them back as each unit finishes, so the
+        # probe holds one gathered unit (plus those FSDP2 keeps: the last block, the head's).
+        trims = [m.register_forward_hook(_release_after_unit) for m in module.modules() if isinstance(m, FSDPModule)]
         try:
             run_probe(module, batch, self._forward(call, cp, pp, precision), grad=grads)
         except ProbeError as err:
@@ -169,6 +174,8 @@ class PlanCheck:
             return None
         finally:
             recorder.remove()
+            for handle in trims:
+                handle.remove()
             for m, training in modes.items():
                 m.training = training
             # A forward with no backward leaves FSDP2's root unit gathered (the root keeps its
@@ -410,3 +417,9 @@ def _everyone(results: list[PieceResult]) -> list[PieceResult]:
 
 class _NotComparable(Exception):
     """A piece whose reference cannot run on the gathered inputs (reported, not a mismatch)."""
+
+
+def _release_after_unit(_module: nn.Module, _args: Any, _output: Any) -> None:
+    # Runs after FSDP2's own post-forward hook (registered at fully_shard, before this one),
+    # which has already freed the unit's gathered parameters.
+    release_freed_memory()

@@ -1,12 +1,16 @@
 """ZeRO-3: parameters, gradients and optimizer states sharded with FSDP2 ``fully_shard``.
 
 One FSDP unit per transformer block (so at most one block's parameters are gathered at a
-time; a block that is a bare ``nn.ModuleList`` is its children, gathered together) plus one
-for everything else (embedding, final norm, head): the lowest common ancestor of those
-parameters. When that ancestor is the LightningModule itself (embedding, norm and head as
-its own attributes), Lightning calls ``training_step``, not ``forward``, so FSDP's forward
-hooks on it would never unshard those parameters: the strategy then routes each step
-through the module's forward (see ``AppliedDimensions.run_step``).
+time; a block that is a bare ``nn.ModuleList`` is its children, gathered together), one per
+token embedding, one for the final norm and head (``_outer_units``), and the root for whatever
+is left: the lowest common ancestor of the parameters outside the blocks. A head tied to the
+embedding stays with it in the root (one unit holds a shared parameter). So the largest
+gathered unit is a block or one V x h matrix, never the embedding and head together, which
+bounds every step's peak, the plan verifier's probe included. When that ancestor is the
+LightningModule itself (embedding, norm and head as its own attributes), Lightning calls
+``training_step``, not ``forward``, so FSDP's forward hooks on it would never unshard the
+parameters left there: the strategy then routes each step through the module's forward (see
+``AppliedDimensions.run_step``).
 """
 
 from __future__ import annotations
@@ -64,6 +68,10 @@ def apply_fsdp(
         members = group if isinstance(group, list) else [group]
         units.extend(members)  # type: ignore[arg-type]
         heads.append(members[0])
+    taken = {id(p) for b in blocks for p in b.parameters()} | {id(p) for m in inner for p in m.parameters()}
+    for unit, reshard in _outer_units(module, blocks, taken, in_pipeline=root_holds_blocks):
+        fully_shard(unit, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard)
+        units.extend(unit if isinstance(unit, list) else [unit])  # type: ignore[arg-type]
     root = _root_for_remaining(module, blocks, root_holds_blocks)
     if root is not None:
         fully_shard(root, mesh=dp_mesh, mp_policy=policy)
@@ -120,6 +128,52 @@ def apply_fp8_gather_units(
         fully_shard(linear, mesh=fsdp_mesh(mesh), mp_policy=policy)
         units.append(linear)  # type: ignore[arg-type]
     return units
+
+
+def _outer_units(
+    module: nn.Module, blocks: Sequence[nn.Module], taken: set[int], in_pipeline: bool
+) -> list[tuple[nn.Module | list[nn.Module], bool]]:
+    """Units for the large parameters outside the blocks, so that the root holds only what is left.
+
+    Each token embedding (an ``nn.Embedding``) is its own unit, resharded after its forward: it
+    is used first in forward and last in backward, so keeping it gathered would hold Vh for the
+    whole step. Every other leaf that owns parameters outside the blocks (final norm, head) joins
+    one unit (FSDP2 gathers a list together) that stays gathered after forward: it runs last in
+    forward and first in backward, so resharding it would only gather it again at once.
+    Modules that share a parameter with another module (a head tied to the embedding) stay in
+    the root, as one unit must hold a shared parameter; so do parameters set directly on a
+    container of the blocks (their forward is the container's) and any module holding
+    parameters next to children that hold some, with those children. Under pp every unit keeps
+    its parameters across the schedule's microbatches (``in_pipeline``: no reshard after forward).
+    """
+    owners: dict[int, list[nn.Module]] = {}
+    containers = {id(m) for m in module.modules() if any(id(p) in taken for p in m.parameters())}
+    for m in module.modules():
+        for p in m.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(m)
+    # A module with parameters of its own and children with parameters (its forward may read a
+    # child's weight directly, where a unit's hooks on the child would not see it): its whole
+    # subtree stays in the root.
+    mixed = [
+        name + "."
+        for name, m in module.named_modules()
+        if m is not module and id(m) not in containers
+        and any(True for _ in m.parameters(recurse=False)) and any(True for c in m.children() for _ in c.parameters())
+    ]
+    embeddings: list[nn.Module] = []
+    rest: list[nn.Module] = []
+    for name, m in module.named_modules():
+        own = [p for p in m.parameters(recurse=False) if id(p) not in taken]
+        if not own or id(m) in containers or m is module:
+            continue
+        # A shared parameter (tied head): one unit must hold it, the root's.
+        if any(len(owners[id(p)]) > 1 for p in own) or any(f"{name}.".startswith(pre) for pre in mixed):
+            continue
+        (embeddings if isinstance(m, nn.Embedding) else rest).append(m)
+    out: list[tuple[nn.Module | list[nn.Module], bool]] = [(e, not in_pipeline) for e in embeddings]
+    if rest:
+        out.append((rest if len(rest) > 1 else rest[0], False))
+    return out
 
 
 def _set_prefetch(blocks: Sequence[FSDPModule]) -> None:

@@ -1,5 +1,7 @@
 """Per-rank memory: how each dimension and mode moves params, grads, optimizer, activations."""
 
+import dataclasses
+
 import pytest
 
 from lightning_5d.config import ActivationCheckpointing, ZeroStage
@@ -168,6 +170,23 @@ def test_zero3_gathers_a_layer_buffer():
     layer = count_params(L8B).layer.total
     assert z3.detail["buffer_zero3_gather"] == 2 * 2 * layer + 2 * layer
     assert z2.buffers < z3.buffers
+
+
+def test_zero3_counts_the_gathered_head_unit():
+    """Untied: final norm + head held through the step (bf16); tied: the shared embedding, in the root."""
+    c = count_params(L8B)
+    z3 = estimate(L8B, dp_shard=8, zero=3, seq_len=1024).memory
+    assert z3.detail["buffer_zero3_head_unit"] == 2 * (c.final_norm + c.head)
+    tp2 = estimate(L8B, dp_shard=4, tp=2, zero=3, seq_len=1024).memory
+    assert tp2.detail["buffer_zero3_head_unit"] == 2 * (c.final_norm + c.head // 2)
+    tied = dataclasses.replace(L8B, tie_embeddings=True)
+    ct = count_params(tied)
+    assert ct.head == 0
+    t3 = estimate(tied, dp_shard=8, zero=3, seq_len=1024).memory
+    assert t3.detail["buffer_zero3_head_unit"] == 2 * (ct.embedding + ct.final_norm)
+    # Under pp every layer of the rank is already counted as held; no separate head term.
+    pp = estimate(L8B, dp_shard=4, pp=2, zero=3, seq_len=1024).memory
+    assert "buffer_zero3_head_unit" not in pp.detail
 
 
 def test_cp_mode_buffers():
