@@ -132,9 +132,13 @@ class _AttributeView:
 
 
 def head_attributes(attention: nn.Module, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[str, ...]:
-    """Known attributes of ``attention`` whose value is a full head count or head width."""
+    """Known attributes of ``attention`` whose value is a full head count or head width.
+
+    Each name once: tp divides every attribute named here, so a repeated name was divided twice
+    (a merge left "heads" twice in the table; einops-style attention then used tp² fewer heads).
+    """
     full = {num_heads, num_kv_heads, num_heads * head_dim, num_kv_heads * head_dim}
     values = vars(attention)
     return tuple(
-        name for name in HEAD_ATTRIBUTE_NAMES if _positive_int(values.get(name)) is not None and values[name] in full
+        name for name in dict.fromkeys(HEAD_ATTRIBUTE_NAMES) if _positive_int(values.get(name)) is not None and values[name] in full
     )

@@ -27,6 +27,7 @@ from lightning_5d.parallel.pipeline import PipelineMode
 from lightning_5d.parallel.pipeline.fsdp import drop_held_gradients
 from lightning_5d.plan import discover
 from lightning_5d.plan.model_plan import ModelPlan
+from lightning_5d.verify.agree import first_failure
 from lightning_5d.verify.compare import Difference, PieceResult, PlanVerificationError, difference, mismatch_message
 from lightning_5d.verify.compare import tolerance_for
 from lightning_5d.verify.gather import ActivationLayout, full_weights
@@ -165,13 +166,11 @@ class PlanCheck:
         # RSS grew by about every unit of the model. Give them back as each unit finishes, so the
         # probe holds one gathered unit (plus those FSDP2 keeps: the last block, the head's).
         trims = [m.register_forward_hook(_release_after_unit) for m in module.modules() if isinstance(m, FSDPModule)]
+        failure: ProbeError | None = None
         try:
             run_probe(module, batch, self._forward(call, cp, pp, precision), grad=grads)
         except ProbeError as err:
-            if self.required:
-                raise
-            rank_zero_warn(f"{err} Under ZeRO-3 alone the check is skipped instead.")  # FSDP2 does not rewrite
-            return None
+            failure = err  # decided together below: under pp it may have failed on one stage only
         finally:
             recorder.remove()
             for handle in trims:
@@ -195,6 +194,14 @@ class PlanCheck:
             # measured on a 0.5 B model under ZeRO-3 over 4 ranks, RSS after setup stayed at the
             # whole model (2.1 GB) instead of the rank's quarter. Give them back after each.
             release_freed_memory()
+        agreed = first_failure(failure)  # a collective: every rank, failed or not, before any other
+        if agreed is not None:
+            rank, message = agreed
+            err = ProbeError(f"{message} (raised on rank {rank}; every rank stops with this error)")
+            if self.required:
+                raise err from failure
+            rank_zero_warn(f"{err} Under ZeRO-3 alone the check is skipped instead.")  # FSDP2 does not rewrite
+            return None
 
         # A parameter two pieces share (a head tied to the embedding) has its gradient compared in the
         # first: from a later piece's output, autograd would also follow the path through the earlier

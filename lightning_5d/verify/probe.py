@@ -192,6 +192,12 @@ def run_probe(
     except ProbeError:
         raise
     except Exception as err:
+        hint = _mixed_dtype_hint(module, err)
+        if hint:
+            raise ProbeError(
+                f"the plan verifier could not run {type(module).__name__} on probe token ids of shape "
+                f"{tuple(batch['input_ids'].shape)}: {type(err).__name__}: {err}. {hint}"
+            ) from err
         raise ProbeError(
             f"the plan verifier could not run {type(module).__name__} on probe token ids of shape "
             f"{tuple(batch['input_ids'].shape)}: {type(err).__name__}: {err}. The check calls the LightningModule's "
@@ -199,3 +205,26 @@ def run_probe(
             f"head); give the LightningModule a `forward(input_ids)` that runs the model, or pass "
             f"FiveDStrategy(verify='off') (l5d train: parallel.verify=off) to train without the check."
         ) from err
+
+
+def _mixed_dtype_hint(module: nn.Module, err: Exception) -> str:
+    """Why a bf16 forward on CPU failed in a norm, and what works (empty when that is not the failure).
+
+    The precision plugin casts parameters to bf16, not buffers (as FSDP2's mixed precision does).
+    A model that adds a float32 buffer (a sinusoidal position table) to its bf16 activations
+    promotes them to float32; the next LayerNorm then gets float32 input and bf16 weights, which
+    CPU kernels refuse ("mixed dtype (CPU)"): CPU autocast does not run layer_norm in float32
+    as CUDA autocast does. Training's forward fails the same way, so verify='off' would not help.
+    """
+    if "mixed dtype (CPU)" not in str(err):
+        return ""
+    params = {p.dtype for p in module.parameters() if p.is_floating_point()}
+    buffers = [n for n, b in module.named_buffers() if b.is_floating_point() and b.dtype not in params]
+    where = f" ({', '.join(buffers[:4])})" if buffers else ""
+    return (
+        f"On CPU a norm got float32 activations and {'/'.join(sorted(str(d) for d in params))} weights: the model "
+        f"adds a float32 buffer{where} to its bf16 activations (the precision plugin casts parameters, not "
+        f"buffers), and CPU autocast does not run layer_norm in float32 as CUDA's does; training's forward "
+        f"fails the same way. Cast the buffer to the activations' dtype where the model uses it (e.g. "
+        f"`x + self.pe[: x.size(1)].to(x.dtype)`), or train on CUDA, or use precision='32-true'."
+    )

@@ -14,7 +14,7 @@ from tests_support import SCRIPTS, run_distributed
 # Correct layouts are also checked by every other multi-process test: the verifier is on by
 # default, so each of their setups must pass it. Here the fast tier breaks plans on purpose;
 # the SP case also shows blocks and head passing next to the wrong embedding.
-FAST = ["interleaved_qkv_tp2_guessed", "scaled_embedding_tp2_sp", "head_norm_tp2_unsummed"]
+FAST = ["interleaved_qkv_tp2_guessed", "scaled_embedding_tp2_sp", "head_norm_tp2_unsummed", "pp2_refused_on_stage0"]
 EXTENDED = ["tp2", "tp2_sp", "zero3", "cp2", "pp2", "scaled_embedding_tp2", "fused_gate_up_tp2",
             "interleaved_qkv_tp2", "fused_gate_up_tp2_cut_plain", "fused_gate_up_tp2_cut_plain_off",
             "scaled_embedding_cp2", "head_norm_tp2"]
@@ -31,14 +31,17 @@ def outcomes(request, tmp_path_factory):
                           timeout=60 + 30 * len(cases))  # fmt: skip
     run.check()
     lines = [json.loads(line) for line in out.read_text().splitlines()]
-    return {line["case"]: line for line in lines}, run.output
+    other = [json.loads(line) for line in out.with_name(out.name + ".rank1").read_text().splitlines()]
+    return {line["case"]: line for line in lines}, run.output, {line["case"]: line for line in other}
 
 
 def check(outcomes, case):
-    results, output = outcomes
+    results, output, _ = outcomes
     result = results[case]
     assert result["outcome"] == result["expected"], result["error"]
-    if result["expected"] == "fail":
+    if result["expected"] == "refused":
+        assert result["steps"] == 0
+    elif result["expected"] == "fail":
         assert result["steps"] == 0  # stopped in setup, before step 0
         assert "setup stopped before any training step" in result["error"]
         assert "verify='off'" in result["error"]
@@ -58,6 +61,11 @@ def test_verifier_fast(outcomes, case):
         # finishes first, the attention module with it) is not.
         assert "first wrong output in execution order: model.layers.0.attention.o_proj:" in error
         assert "matching: model.layers.0.attention.qkv" in error
+    if case == "pp2_refused_on_stage0":
+        # Rank 0 (stage 0) raised; rank 1 (stage 1) stops with the same message, naming rank 0.
+        other = outcomes[2][case]
+        assert other["outcome"] == "refused" and other["error"] == error, (error, other)
+        assert "block 0 cannot run this probe" in error and "raised on rank 0" in error, error
     if case == "head_norm_tp2_unsummed":
         # Outputs match; the backward finds the per-head norms' gradients (only this rank's heads' part).
         assert "block 0 (model.layers.0): the output matches" in error, error

@@ -64,6 +64,7 @@ from lightning_5d.plan.model_plan import ModelPlan
 
 from .batch import (
     PipelineError,
+    PipelinePeerError,
     _combine_logs,
     _loss_of,
     _shapes,
@@ -245,6 +246,9 @@ class PipelineParallel:
         self.tied_group = self._tied_pair_group(mesh) if self.tied else None
 
         self.times = StageTimes()
+        # A forward-only run's failure (global rank, message) and this rank's own exception (_run_forward_only).
+        self._failed: tuple[int, str | None] | None = None
+        self._own_error: Exception | None = None
         self.current_microbatch: dict[int, int] = {}
         self.running_stage: int | None = None
         self._incoming: Tensor | None = None
@@ -455,43 +459,79 @@ class PipelineParallel:
         Not torch's ``eval()``: its V schedules still run their backward actions' local
         hand-offs with backward off. Here each stage sends its outputs as it makes them
         (non-blocking) and the next stage's rank receives them in the same global order.
+
+        Each hand-off is a flag (0, or the failing rank + 1) followed by the activation only
+        when the flag is 0: a stage whose forward raised (the plan verifier's probe of a block
+        that cannot run under tp) keeps sending flags instead of leaving the next stage's rank
+        blocked in a receive; the last stage's rank then tells every stage (in the results'
+        broadcast), so every pipeline rank raises, none waits for a peer that has gone.
         """
         shape, dtype = self._activation_meta
         pending = []
-        local: dict[tuple[int, int], Tensor] = {}
+        local: dict[tuple[int, int], Tensor | None] = {}
+        me = dist.get_rank()
+        own: Exception | None = None
+        failed: tuple[int, str | None] | None = None  # (global rank, message if this rank's own)
         for s in range(self.num_stages):
             if self.owner[s] != self.rank:
                 continue
             for mb in range(self.microbatches):
+                x: Tensor | None
                 if s == 0:
                     x = torch.zeros(1, dtype=torch.long, device=self.device)
                 elif self.owner[s - 1] == self.rank:
-                    x = local.pop((s - 1, mb))
+                    x = local.pop((s - 1, mb))  # None after this rank's own earlier stage failed
                 else:
-                    x = torch.empty(shape, dtype=dtype, device=self.device)
-                    dist.recv(x, group=self.group, group_src=self.owner[s - 1])
-                self.current_microbatch[s] = mb
-                out = self._stage_modules[s](x)
+                    flag = torch.zeros(1, dtype=torch.long, device=self.device)
+                    dist.recv(flag, group=self.group, group_src=self.owner[s - 1])
+                    x = None
+                    if int(flag.item()) == 0:
+                        x = torch.empty(shape, dtype=dtype, device=self.device)
+                        dist.recv(x, group=self.group, group_src=self.owner[s - 1])
+                    elif failed is None:
+                        failed = (int(flag.item()) - 1, None)
+                out = None
+                if x is not None and failed is None:
+                    self.current_microbatch[s] = mb
+                    try:
+                        out = self._stage_modules[s](x)
+                    except Exception as err:  # noqa: BLE001 - re-raised below, after the flags went out
+                        own, failed = err, (me, f"{type(err).__name__}: {err}")
                 if s == self.num_stages - 1:
                     continue
                 if self.owner[s + 1] == self.rank:
                     local[(s, mb)] = out
                 else:
-                    pending.append(dist.isend(out.contiguous(), group=self.group, group_dst=self.owner[s + 1]))
+                    code = 0 if out is not None else failed[0] + 1
+                    flag = torch.tensor([code], dtype=torch.long, device=self.device)
+                    pending.append(dist.isend(flag, group=self.group, group_dst=self.owner[s + 1]))
+                    if out is not None:
+                        pending.append(dist.isend(out.contiguous(), group=self.group, group_dst=self.owner[s + 1]))
         for work in pending:
             work.wait()
+        self._failed = failed
+        self._own_error = own
 
     def _share_last_stage_results(self) -> tuple[Any, list]:
         last_rank = self.owner[-1]
         payload = None
         if self.rank == last_rank:
-            results = [self._results[i] for i in range(self.microbatches)]
-            logged = _combine_logs([self._logs.get(i, []) for i in range(self.microbatches)])
-            # On the host: unpickled tensors would otherwise land on the last stage's GPU everywhere.
-            payload = (apply_to_collection(merge_step_outputs(results), Tensor, lambda t: t.detach().cpu()), logged)
+            if self._failed is not None:  # a stage failed: no results, every rank learns which rank
+                payload = (None, [], self._failed)
+            else:
+                results = [self._results[i] for i in range(self.microbatches)]
+                logged = _combine_logs([self._logs.get(i, []) for i in range(self.microbatches)])
+                # On the host: unpickled tensors would otherwise land on the last stage's GPU everywhere.
+                out = apply_to_collection(merge_step_outputs(results), Tensor, lambda t: t.detach().cpu())
+                payload = (out, logged, None)
         box = [payload]
         dist.broadcast_object_list(box, group=self.group, group_src=last_rank)
-        out, logged = box[0]
+        own, self._failed, self._own_error = self._own_error, None, None
+        out, logged, failed = box[0]
+        if failed is not None:
+            if own is not None:
+                raise own
+            raise PipelinePeerError(*failed)
         return apply_to_collection(out, Tensor, lambda t: t.to(self.device)), logged
 
     def _probe_activation(self) -> None:

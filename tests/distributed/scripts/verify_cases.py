@@ -18,7 +18,7 @@ import torch
 import lightning_5d
 from lightning_5d.plan import observe as observation
 from lightning_5d.plan.model_plan import ColumnLayout
-from lightning_5d.verify import PlanVerificationError
+from lightning_5d.verify import PlanCheck, PlanVerificationError, ProbeError
 from tests_support import make_datamodule
 from lightning_5d.parallel.tensor.sharding import TensorParallel
 from verify_models import FusedGateUpLM, HeadNormLM, InterleavedQKVLM, MarkedLM, ScaledEmbeddingLM
@@ -49,6 +49,10 @@ CASES = {
     # The per-head q/k norms' gradients left as this rank's part (tp's sum over its ranks skipped):
     # the forward is exact, only the gradients are wrong; the verifier's backward must stop setup.
     "head_norm_tp2_unsummed": (HeadNormLM, {"tp": 2}, "fail"),
+    # The probe's forward fails on the first pipeline stage only (its block 0 raises, as nanoGPT's
+    # attention did under tp x pp): the other stage's rank must stop with the same refusal, not
+    # wait for an activation (it died of a gloo connection reset before).
+    "pp2_refused_on_stage0": (MarkedLM, {"pp": 2, "pipeline": {"microbatches": 2}}, "refused"),
 }
 
 
@@ -83,13 +87,33 @@ real_mark_head_partial = TensorParallel._mark_head_partial
 
 def unsummed(self, block, prefix, block_plan):
     """tp's mark of the per-head norms' partial gradients, skipped: no sum over tp."""
+real_after = PlanCheck.after
+first_block = []  # block 0 as built (under pp the stage's container no longer holds it on every rank)
+
+
+def refusing_block0(self, module, **kwargs):
+    """The verifier's probe, with block 0 raising (discovery, before it, ran the block unchanged)."""
+    block = first_block[0]
+
+    def refuse(*a, **k):
+        raise ValueError("block 0 cannot run this probe (test sabotage)")
+
+    block.forward = refuse
+    try:
+        return real_after(self, module, **kwargs)
+    finally:
+        del block.forward
+
+
 lines = []
 for name in args.cases.split(","):
     cls, kwargs, expected = CASES[name]
     observation.observe = next((f for tag, f in SABOTAGE.items() if tag in name), real_observe)
     TensorParallel._mark_head_partial = unsummed if "_unsummed" in name else real_mark_head_partial
+    PlanCheck.after = refusing_block0 if "_refused_on_stage0" in name else real_after
     torch.manual_seed(0)
     module = cls()
+    first_block[:] = [module.model.layers[0]]
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),
@@ -106,12 +130,15 @@ for name in args.cases.split(","):
         trainer.fit(module, datamodule=make_datamodule())
     except PlanVerificationError as err:
         outcome, error = "fail", str(err)
+    except ProbeError as err:
+        outcome, error = "refused", str(err)
     lines.append(
         {"case": name, "expected": expected, "outcome": outcome, "error": error, "steps": module.steps_started}
     )
     print(f"CASE {name}: {outcome}", flush=True)
-if rank == 0:
-    Path(args.out).write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+# Every rank's outcomes: a refusal must reach each rank with the same message.
+out = Path(args.out) if rank == 0 else Path(f"{args.out}.rank{rank}")
+out.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
 
 from lightning_5d.testing import leave_process_group  # noqa: E402
 
