@@ -152,10 +152,15 @@ def main() -> None:
     record = {"baseline": baseline, "peak": stop.peak, "rss_after_setup": rss_bytes()}
     if phases is not None:
         record["phases"] = phases.stop()
+    write_ranks_and_leave(record, args.out)
+
+
+def write_ranks_and_leave(record: dict, out: str) -> None:
+    """Every rank's ``record`` into ``out`` (written by rank 0), then leave the process group."""
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, record)
     if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps({"ranks": per_rank}))
+        Path(out).write_text(json.dumps({"ranks": per_rank}))
     from lightning_5d.testing import leave_process_group
 
     leave_process_group()

@@ -16,12 +16,11 @@ from pathlib import Path
 
 import lightning as L
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 import lightning_5d  # noqa: E402
 from lightning_5d.models import LlamaConfig, LlamaLM  # noqa: E402
-from startup_memory import StopBeforeStep, rss_bytes  # noqa: E402
+from startup_memory import StopBeforeStep, rss_bytes, write_ranks_and_leave  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--variant", required=True, help="save | bare_<layout> | pretrained_<layout> | resume_<layout>")
@@ -55,13 +54,7 @@ def main() -> None:
     if save:
         trainer.save_checkpoint(args.checkpoint)
     record = {"baseline": baseline, "peak": stop.peak, "rss_after_setup": rss_bytes()}
-    per_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, record)
-    if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps({"ranks": per_rank}))
-    from lightning_5d.testing import leave_process_group
-
-    leave_process_group()
+    write_ranks_and_leave(record, args.out)
 
 
 if __name__ == "__main__":
