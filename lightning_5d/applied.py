@@ -201,7 +201,7 @@ class AppliedDimensions:
             names.update(precision.master_names(module))
         self._tp_sharded = {i for i, n in names.items() if self.tp is not None and self.tp.is_sharded(n)}
         self._experts = {i for i, n in names.items() if self.ep is not None and self.ep.is_expert(n)}
-        self._tied_copies = {i for i, n in names.items() if self.pp is not None and self.pp.counts_elsewhere(n)}
+        self._tied_copies = {i for i, n in names.items() if self.pp is not None and self.pp.tied.counts_elsewhere(n)}
 
     def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]

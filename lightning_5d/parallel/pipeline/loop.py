@@ -93,7 +93,7 @@ class PipelineLoop:
         if mode == PipelineMode.TRAIN:
             # This run's own gradients (before the window's earlier ones join): summing them per
             # run keeps the tied copies equal under any accumulation.
-            self.pipeline.sum_tied_gradients()
+            self.pipeline.tied.sum_gradients(self.pipeline.module)
             # Out of reach of Lightning's zero_grad until restore_gradients puts them back.
             grads = {p: p.grad for p in module.parameters() if p.grad is not None}
             for p in grads:

@@ -15,15 +15,7 @@ batch, which is why nothing but the hidden state has to travel.
 The schedules are ``torch.distributed.pipelining``'s (:mod:`.schedule`), with
 static stage shapes taken from a probe of the first block's input.
 
-Tied input/output embeddings (the head's weight *is* the embedding's), as Megatron's
-embedding group does it: the first stage's rank and the last stage's rank each hold the
-weight (the same initial values: every rank starts from rank 0's), registered under both
-names as in one process (on the rank without the real embedding or head, its placeholder
-holds it), so state dicts, optimizer states and checkpoints name it as one process does.
-After each pipeline run the two copies' gradients are summed over the pair {first stage's
-rank, last stage's rank} of each pipe (:meth:`PipelineParallel.sum_tied_gradients`), and
-both take the same optimizer step. When one rank holds both stages (V schedules), it holds
-one parameter and nothing travels.
+Tied input/output embeddings (the head's weight *is* the embedding's): :mod:`.tied`.
 
 Microbatches and Lightning: one Lightning batch is one pipeline run of m microbatches
 (``pipeline.microbatches``); gradients are the mean over them, the same as a step on the
@@ -46,14 +38,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.tensor import DTensor
 
 from lightning_5d.materialize.apply import placement_device
 from lightning_5d.config import PipelineConfig, PipelineSchedule
 from lightning_5d.parallel.regions import Region
 from lightning_5d.mesh import ParallelMesh
 from lightning_5d.pipeline_shape import (
-    V_SHAPED,
     check_schedule,
     check_stage_count,
     default_microbatches,
@@ -74,6 +64,7 @@ from .batch import (
 )
 from .schedule import schedule_class
 from .split import split_blocks, stage_weights
+from .tied import TiedEmbedding, check_tied_schedule, tied_names
 
 
 class PipelineMode(str, Enum):
@@ -225,8 +216,9 @@ class PipelineParallel:
         self._real = {path: module.get_submodule(path) for path in self._part_paths()}
         self._first_params = {plan.embedding, *([plan.position_embedding] if plan.position_embedding else [])}
         self._last_params = {p for p in (plan.final_norm, plan.head) if p}
-        self.tied = _tied_names(self._real[plan.embedding], self._real[plan.head])
-        check_tied_schedule(self.tied, self.schedule, plan)
+        names = tied_names(self._real[plan.embedding], self._real[plan.head])
+        check_tied_schedule(names, self.schedule, plan)
+        self.tied = TiedEmbedding(names, plan, self.owner, self.rank)
         self._placeholders = {path: self._placeholder(path) for path in self._part_paths()}
         self._stage_modules = {spec.index: self._make_stage_module(spec) for spec in self.specs}
         # Drop every reference to the other stages' parts: their memory goes once _rest() replaces them.
@@ -238,12 +230,11 @@ class PipelineParallel:
             for path, m in self._real.items()
             if (path in self._first_params and first) or (path in self._last_params and last)
         }
-        self._hold_tied_copy(first, last)
+        self.tied.hold_copy(self._real, self._placeholders, first, last)
         self._rest()
         self._first_block_arg = _first_argument_name(blocks[self.specs[0].blocks.start])
         del blocks
-        # The pair of ranks summing the tied weight's gradient (None: one rank holds both ends, or none).
-        self.tied_group = self._tied_pair_group(mesh) if self.tied else None
+        self.tied.join_pair_group(mesh, self.group, self.pp)
 
         self.times = StageTimes()
         # A forward-only run's failure (global rank, message) and this rank's own exception (_run_forward_only).
@@ -297,48 +288,6 @@ class PipelineParallel:
             self._set(path, self._real[path] if first else self._placeholders[path])
         for path in self._last_params:
             self._set(path, self._real[path] if last else self._placeholders[path])
-
-    # ------------------------------------------------------------------ tied embeddings
-    def _hold_tied_copy(self, first: bool, last: bool) -> None:
-        """On a rank with only one end of the pipe, the other end's placeholder holds the tied
-        weight too, under its own name: the module then names it as one process does."""
-        if not self.tied or first == last:
-            return
-        real, other = (self.plan.embedding, self.plan.head) if first else (self.plan.head, self.plan.embedding)
-        holder = self._real[real]
-        for emb_name, head_name in self.tied:
-            mine, theirs = (emb_name, head_name) if first else (head_name, emb_name)
-            self._placeholders[other].register_parameter(theirs, holder.get_parameter(mine))
-
-    def _tied_pair_group(self, mesh: ParallelMesh) -> dist.ProcessGroup | None:
-        first, last = self.owner[0], self.owner[-1]
-        if first == last:
-            return None  # a V schedule: the first and the last stage share a rank, and the parameter
-        if self.pp == 2:
-            return self.group
-        group = mesh.pipe_pair_group(first, last)  # every rank creates every pair's group
-        return group if self.rank in (first, last) else None
-
-    def tied_parameters(self) -> list[nn.Parameter]:
-        """The tied weights as this rank holds them now (FSDP2 replaces the parameter objects)."""
-        if self.tied_group is None:
-            return []
-        return [self.module.get_submodule(self.plan.embedding).get_parameter(e) for e, _ in self.tied]
-
-    def sum_tied_gradients(self) -> None:
-        """After a pipeline run: the embedding's and the head's gradients of the tied weight, summed
-        on both ranks (collective over the pair; under ZeRO-3, of the two copies' identical shards)."""
-        for p in self.tied_parameters():
-            if p.grad is None:  # a step that did not use one end: it still takes part with zeros
-                p.grad = torch.zeros_like(p)
-            grad = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
-            dist.all_reduce(grad, group=self.tied_group)
-
-    def counts_elsewhere(self, name: str) -> bool:
-        """Whether ``name`` is this rank's copy of a tied weight whose norm the first stage's rank counts."""
-        if self.tied_group is None or self.rank == self.owner[0]:
-            return False
-        return any(name in (f"{self.plan.embedding}.{e}", f"{self.plan.head}.{h}") for e, h in self.tied)
 
     @contextmanager
     def _placed(self, spec: StageSpec, incoming: Tensor | None) -> Generator[None, None, None]:
@@ -663,36 +612,6 @@ def _first_argument_name(block: nn.Module) -> str:
     inner = getattr(block, "_checkpoint_wrapped_module", block)
     params = [p for p in inspect.signature(inner.forward).parameters.values() if p.name != "self"]
     return params[0].name if params else "hidden_states"
-
-
-def _tied_names(embedding: nn.Module, head: nn.Module) -> list[tuple[str, str]]:
-    """(embedding's name, head's name) of each parameter the two share.
-
-    Only parameters held directly: a placeholder stands in for the whole part and can hold
-    them under the same names."""
-    heads = {id(p): n for n, p in head.named_parameters(recurse=False)}
-    tied = [(n, heads[id(p)]) for n, p in embedding.named_parameters(recurse=False) if id(p) in heads]
-    deep = {id(p) for _, p in head.named_parameters()} & {id(p) for _, p in embedding.named_parameters()}
-    if len(deep) != len(tied):
-        raise PipelineError(
-            f"the embedding ({type(embedding).__name__}) and the head ({type(head).__name__}) share a parameter "
-            f"inside a submodule; pp can tie only parameters the two modules hold directly (e.g. head.weight is "
-            f"embedding.weight). Tie those, untie the others, or use pp=1."
-        )
-    return tied
-
-
-def check_tied_schedule(tied: list, schedule: PipelineSchedule, plan: ModelPlan) -> None:
-    """A V schedule runs the first and the last stage on one rank with split backward passes
-    (input, then weight gradients per stage); a weight both stages use then gets a wrong
-    gradient from torch's per-stage weight pass, so such layouts are refused."""
-    if tied and schedule in V_SHAPED:
-        raise PipelineError(
-            f"{plan.head}.weight is {plan.embedding}.weight (tied embeddings) and pipeline.schedule="
-            f"{schedule.value} runs the first and the last stage on one rank with split weight-gradient passes, "
-            f"which torch's pipelining computes per stage, wrongly for a weight both stages use. Use "
-            f"pipeline.schedule=interleaved_1f1b (or 1f1b, zero_bubble): they tie the embedding across ranks."
-        )
 
 
 def _check_cuttable(module: nn.Module, plan: ModelPlan) -> None:

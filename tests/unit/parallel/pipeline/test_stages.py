@@ -5,7 +5,8 @@ import torch
 
 from lightning_5d.models import LlamaConfig, LlamaLM
 from lightning_5d.config import PipelineSchedule
-from lightning_5d.parallel.pipeline.stages import _check_cuttable, _tied_names, check_tied_schedule
+from lightning_5d.parallel.pipeline.stages import _check_cuttable
+from lightning_5d.parallel.pipeline.tied import check_tied_schedule, tied_names
 from lightning_5d.parallel.pipeline.batch import PipelineError
 from lightning_5d.plan import discover
 
@@ -14,10 +15,10 @@ def test_tied_embeddings_are_cut_with_the_shared_weight_named_on_both_ends():
     module = LlamaLM(LlamaConfig(num_layers=2, tie_embeddings=True))
     plan = discover(module)
     _check_cuttable(module, plan)  # no longer refused
-    tied = _tied_names(module.get_submodule(plan.embedding), module.get_submodule(plan.head))
+    tied = tied_names(module.get_submodule(plan.embedding), module.get_submodule(plan.head))
     assert tied == [("weight", "weight")]
     untied = LlamaLM(LlamaConfig(num_layers=2))
-    assert _tied_names(untied.get_submodule(plan.embedding), untied.get_submodule(plan.head)) == []
+    assert tied_names(untied.get_submodule(plan.embedding), untied.get_submodule(plan.head)) == []
 
 
 def test_a_weight_shared_inside_a_submodule_of_the_head_is_refused():
@@ -25,7 +26,7 @@ def test_a_weight_shared_inside_a_submodule_of_the_head_is_refused():
     head = torch.nn.Sequential(torch.nn.Linear(4, 8, bias=False))
     head[0].weight = embedding.weight
     with pytest.raises(PipelineError, match="share a parameter inside a submodule"):
-        _tied_names(embedding, head)
+        tied_names(embedding, head)
 
 
 def test_a_parameter_outside_the_mapped_parts_is_refused():
@@ -38,7 +39,7 @@ def test_a_parameter_outside_the_mapped_parts_is_refused():
 def test_tied_embeddings_under_a_v_schedule_are_refused_with_a_schedule_that_works():
     module = LlamaLM(LlamaConfig(num_layers=2, tie_embeddings=True))
     plan = discover(module)
-    tied = _tied_names(module.get_submodule(plan.embedding), module.get_submodule(plan.head))
+    tied = tied_names(module.get_submodule(plan.embedding), module.get_submodule(plan.head))
     for schedule in (PipelineSchedule.ZBV, PipelineSchedule.DUALPIPEV):
         with pytest.raises(PipelineError, match="schedule=interleaved_1f1b"):
             check_tied_schedule(tied, schedule, plan)
