@@ -84,6 +84,7 @@ class AttentionPlan:
     q: Projection | None = None
     k: Projection | None = None
     v: Projection | None = None
+    kv: Projection | None = None  # fused [k|v] beside q (then k, v are None); segments (KV*d, KV*d)
     qkv: Projection | None = None  # fused q|k|v (then q, k, v are None)
     num_heads: int = 0
     num_kv_heads: int = 0
@@ -93,10 +94,13 @@ class AttentionPlan:
     # because the module reshapes with them ("layer rewriting").
     head_attributes: tuple[str, ...] = ()
     kernel: AttentionKernel = AttentionKernel.UNKNOWN
+    # Observed: the attention call gets a float mask with a different bias per head (ALiBi
+    # slopes), built inside the model from the full head count.
+    per_head_bias: bool = False
 
     @property
     def column(self) -> tuple[Projection, ...]:
-        return tuple(p for p in (self.q, self.k, self.v, self.qkv) if p is not None)
+        return tuple(p for p in (self.q, self.k, self.v, self.kv, self.qkv) if p is not None)
 
     @property
     def packed(self) -> bool:

@@ -198,12 +198,16 @@ def _first_tensor(out: object) -> Tensor | None:
 
 
 def _run(root: nn.Module, plan: ModelPlan) -> bool:
+    return run_on_ids(root, plan.embedding, plan.blocks)
+
+
+def run_on_ids(root: nn.Module, embedding: str, blocks: str) -> bool:
     """Run the model on probe ids: the root, else each module on the way down to the blocks
     (a LightningModule without ``forward`` usually holds a model that has one)."""
-    weight = root.get_submodule(plan.embedding).weight
+    table = root.get_submodule(embedding)
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, plan.vocab_size, PROBE_SHAPE, generator=generator).to(weight.device)
-    parts = plan.blocks.split(".")
+    ids = torch.randint(0, table.num_embeddings, PROBE_SHAPE, generator=generator).to(table.weight.device)
+    parts = blocks.split(".")
     for depth in range(len(parts)):
         candidate = root.get_submodule(".".join(parts[:depth]))
         try:

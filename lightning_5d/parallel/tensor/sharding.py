@@ -40,6 +40,7 @@ from lightning_5d.parallel.regions import Region, chunk_ranges
 from lightning_5d.materialize.apply import placement_device
 from lightning_5d.config import LayoutError
 from lightning_5d.parallel.tensor import ops as tensor_ops
+from lightning_5d.parallel.tensor.head_bias import wrap_per_head_bias
 from lightning_5d.parallel.tensor.regather import RegatherRegion
 from lightning_5d.parallel.tensor.vocab import vocab_parallel_forward, vocab_range
 from lightning_5d.parallel.tensor.width_norm import distributed_rms_forward, find_width_norms
@@ -239,6 +240,21 @@ def _localize_config(attention: nn.Module, num_heads: int, num_kv_heads: int, tp
         attention.config = _LocalHeads(config, local)
 
 
+def _before_columns(block: nn.Module, mlp) -> list[str]:
+    """Parameters of the MLP's own layers registered before its first column projection (the
+    norm an ``nn.Sequential(norm, up, act, down)`` starts with): their output feeds only the
+    rank's column shard, so their gradient is this rank's part of the sum over tp."""
+    columns = {p.path for p in mlp.column}
+    found = []
+    for path, module in block.named_modules():
+        if path in columns:
+            break
+        if path == mlp.path or not path.startswith(mlp.path + "."):
+            continue
+        found += [paths.join(path, n) for n, _ in module.named_parameters(recurse=False)]
+    return found
+
+
 class TensorParallel:
     """Applies TP/SP to ``root`` following ``plan``; keeps what checkpoints and clipping need."""
 
@@ -322,14 +338,18 @@ class TensorParallel:
             block = root.get_submodule(plan.block_path(i))
             att = block_plan.attention
             if att is not None:  # None: a feed-forward entry of an alternating block list
+                attention = block.get_submodule(att.path)
+                full_widths = {block.get_submodule(p.path): _out_features(block.get_submodule(p.path), p) for p in att.column}
+                full_attributes = {attr: getattr(attention, attr) for attr in att.head_attributes}
                 for p in att.column:
                     self._column(block, p)
                 self._row(block, att.o)
-                attention = block.get_submodule(att.path)
                 for attr in att.head_attributes:
                     setattr(attention, attr, getattr(attention, attr) // self.size)
                 _localize_config(attention, att.num_heads, att.num_kv_heads, self.size)
-                self._width_norms(block, plan.block_path(i), att)
+                if att.per_head_bias:
+                    wrap_per_head_bias(attention, full_attributes, full_widths, att.num_heads, self.rank, self.size)
+                self._width_norms(block, plan.block_path(i), att, block_plan.norms)
                 self._enter_region(attention, f"{plan.block_path(i)}.{att.path}")
             if block_plan.mlp is not None:
                 for p in block_plan.mlp.column:
@@ -363,11 +383,11 @@ class TensorParallel:
         self._replaced.clear()
         self._cut_of.clear()
 
-    def _width_norms(self, block: nn.Module, prefix: str, att) -> None:
+    def _width_norms(self, block: nn.Module, prefix: str, att, pre_norms: tuple[str, ...]) -> None:
         """Norms over a q/k projection's full width: cut like its columns, statistics summed over tp."""
         head_dim = att.head_dim or 0
         widths = {att.num_heads * head_dim, (att.num_kv_heads or att.num_heads) * head_dim} - {0}
-        for norm in find_width_norms(block, att.path, widths, head_dim):
+        for norm in find_width_norms(block, att.path, widths, head_dim, pre_norms):
             module = block.get_submodule(norm.path)
             if norm.eps is None:
                 raise TensorParallelError(
@@ -394,15 +414,18 @@ class TensorParallel:
         """Parameters inside the attention region that tp did not cut, other than the output
         projection's bias: a q/k norm applied per head (Qwen3, Gemma 3) sees only this rank's
         heads, so its gradient is this rank's part of the sum over tp, as SP's norm weights are.
-        (Not the MLP region: an MoE there stays replicated and sees the whole input.)"""
-        if block_plan.attention is None:
-            return
-        inside = block_plan.attention.path
-        rows = [p.path for p in block_plan.attention.row]
-        for name, param in block.named_parameters():
-            in_region = name.startswith(inside + ".")
-            row_bias = any(name == f"{path}.bias" for path in rows)
-            if in_region and not row_bias and id(param) not in self._cut_of:
+        In the MLP region only the layers before its first column projection (a norm inside an
+        ``nn.Sequential`` MLP); an MoE there stays replicated and sees the whole input."""
+        if block_plan.attention is not None:
+            inside = block_plan.attention.path
+            rows = [p.path for p in block_plan.attention.row]
+            for name, param in block.named_parameters():
+                in_region = name.startswith(inside + ".")
+                row_bias = any(name == f"{path}.bias" for path in rows)
+                if in_region and not row_bias and id(param) not in self._cut_of:
+                    self.sequence_partial.add(f"{prefix}.{name}")
+        if block_plan.mlp is not None:
+            for name in _before_columns(block, block_plan.mlp):
                 self.sequence_partial.add(f"{prefix}.{name}")
 
     @property
