@@ -106,10 +106,18 @@ def _missing_top(root: nn.Module, top: TopHints) -> list[str]:
 
 def _fail(root: nn.Module, top: TopHints, block: BlockHints | None, problem: str) -> NoReturn:
     raise ModelMappingError(
-        f"Cannot map {type(root).__name__} for parallelism: {problem}.\n"
+        f"Cannot map {_model_named(root, top)} for parallelism: {problem}.\n"
         f"Name the parts in the strategy config, for example:\n\n"
         f"{model_plan_snippet(top, block)}"
     )
+
+
+def _model_named(root: nn.Module, top: TopHints) -> str:
+    """The module holding the blocks (the user's model), not the wrapper discovery started from."""
+    if not top.blocks or "." not in top.blocks:
+        return type(root).__name__
+    owner = paths.parent(top.blocks)
+    return f"{type(root.get_submodule(owner)).__name__} ({owner}, holding {top.blocks})"
 
 
 def _children(module: nn.Module) -> str:

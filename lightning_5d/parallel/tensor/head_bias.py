@@ -15,12 +15,14 @@ attention call with the full head counts restored and every column projection re
 of its full width (the bias depends on head counts and lengths, not on q, k, v), and the
 ``attn_mask`` it passes is kept; the real call then gets the rank's rows of it along the head
 dimension. The replay costs one pass through the attention's code before the kernel, without
-its matmuls.
+its matmuls; the attention's layers run with their hooks off during it (nothing else sees it).
 """
 
 from __future__ import annotations
 
-from contextlib import ExitStack
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any, Callable
 
 import torch
@@ -96,6 +98,10 @@ def wrap_per_head_bias(
             for name, value in full_attributes.items():
                 setattr(attention, name, value)
             undo.callback(lambda: [setattr(attention, n, v) for n, v in saved.items()])
+            # Invisible to the layers' hooks (the plan verifier's recorder, FSDP, ...): the
+            # replay's zeros must not be taken for the layers' outputs.
+            for module in list(attention.modules())[1:]:
+                undo.enter_context(_hooks_off(module))
             for module, width in columns.items():
                 had = "forward" in vars(module)
                 previous = vars(module).get("forward")
@@ -120,6 +126,16 @@ def wrap_per_head_bias(
             return original(*args, **kwargs)
 
     attention.forward = forward
+
+
+@contextmanager
+def _hooks_off(module: nn.Module) -> Iterator[None]:
+    saved = module._forward_pre_hooks, module._forward_hooks
+    module._forward_pre_hooks, module._forward_hooks = OrderedDict(), OrderedDict()
+    try:
+        yield
+    finally:
+        module._forward_pre_hooks, module._forward_hooks = saved
 
 
 def _restore(module: nn.Module, had: bool, previous: Any) -> Callable[[], None]:

@@ -240,6 +240,22 @@ def _localize_config(attention: nn.Module, num_heads: int, num_kv_heads: int, tp
         attention.config = _LocalHeads(config, local)
 
 
+def _check_block_forwards(plan: ModelPlan, root: nn.Module, tp: int) -> None:
+    """Sequence parallelism scatters the residual stream at the first block's input and gathers
+    it at the last block's output, both hooks on the block's forward. A block that is a list the
+    model iterates (``for attn, ff in self.layers``) has no forward, so neither would run."""
+    blocks = plan.blocks_of(root)
+    bare = [i for i, b in enumerate(blocks) if isinstance(b, (nn.ModuleList, nn.ModuleDict))]
+    if bare:
+        raise TensorParallelError(
+            f"sequence parallelism (tp={tp}) cuts the sequence at the input of the first block and joins it at the "
+            f"output of the last, but the blocks of {plan.blocks} are {type(blocks[bare[0]]).__name__}s with no "
+            f"forward of their own, so neither point can be hooked. Give each block a module with a forward (e.g. "
+            f"`class Block(nn.Module)` calling its attention and MLP), or use sequence_parallel=false (tp alone "
+            f"runs this model)."
+        )
+
+
 def _before_columns(block: nn.Module, mlp) -> list[str]:
     """Parameters of the MLP's own layers registered before its first column projection (the
     norm an ``nn.Sequential(norm, up, act, down)`` starts with): their output feeds only the
@@ -267,6 +283,8 @@ class TensorParallel:
         self.sequence_parallel = sequence_parallel
         self.device = placement_device(root, tp_mesh.device_type)  # real even for a meta-built model
         validate_tensor_parallel(plan, root, self.size)
+        if sequence_parallel:
+            _check_block_forwards(plan, root, self.size)
         # Parameter names (every alias of a tied parameter) -> how that parameter was cut.
         self.shards: dict[str, TensorShard] = {}
         # Names of replicated parameters used only on a sequence shard: their gradients are
@@ -323,7 +341,11 @@ class TensorParallel:
                 return gathered
 
             fn = gather
-            self._hooks.append(module.register_forward_hook(lambda *_: region.exit()))
+            # always_call: a forward that raises (the plan verifier's probe of a model that
+            # cannot run under tp) must not leave the region's saved-tensor hooks entered; a
+            # later step's tensor allocated at the old gathered address would be packed against
+            # this dead region and re-gathered on one rank only (a hang, seen in a long launch).
+            self._hooks.append(module.register_forward_hook(lambda *_: region.exit(), always_call=True))
         else:
             fn = lambda x: tensor_ops.copy_to_tp(x, self.group)  # noqa: E731
         self._hooks.append(
