@@ -449,6 +449,7 @@ class PipelineParallel:
         same on every rank of this pipe (they read the same batch; the probe's error is
         broadcast), so the whole pipe skips the schedule and still meets the others at the flag.
         """
+        self.failures = StepFailures()  # nothing left over from a run that torch's own code ended
         try:
             self._microbatches = split_microbatches(batch, self.microbatches)
             self._probe_activation()

@@ -1,4 +1,4 @@
-"""Training under pp=2 where the user's step raises on one rank (rank 1: pipeline stage 1) at step 2.
+"""Training under pp=2 (x dp on more processes) where the user's step raises on one rank at step 2.
 
 One fit per ``--cases`` entry, one after another in the same processes: each must end on
 both ranks with the named error (the failing rank its own exception, the other a
@@ -59,7 +59,7 @@ def run_case(schedule: str, virtual_stages: int, where: str, rank: int) -> dict:
         verify="off",
     )
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=FAIL_STEP + 2, logger=False,
+        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_steps=FAIL_STEP + 2, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0, num_sanity_val_steps=0,
     )  # fmt: skip
