@@ -287,7 +287,6 @@ class CheckpointWriter:
         return everyone
 
 
-
 def _job_id() -> str | None:
     return os.environ.get("SLURM_JOB_ID") or None
 
@@ -331,5 +330,3 @@ def _rng_state() -> dict[str, Any]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
-
-
