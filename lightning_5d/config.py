@@ -18,7 +18,7 @@ from datetime import timedelta
 from pydantic import AfterValidator, BeforeValidator, Field
 from torch.distributed.constants import default_pg_timeout
 
-from lightning_5d.checkpoint.strategy_io import CheckpointFormat, CheckpointWrite
+from lightning_5d.checkpoint.options import CheckpointFormat, CheckpointWrite
 
 from lightning_5d.schema import Allowed, Bool, EnumField, Float, Int, Optional_, enum_member, settings
 

@@ -30,7 +30,7 @@ from typing_extensions import override
 from lightning_5d.applied import AppliedDimensions
 from lightning_5d.auto_layout import planned_config
 from lightning_5d.checkpoint.strategy_hooks import CheckpointHooks
-from lightning_5d.checkpoint.strategy_io import CheckpointFormat, CheckpointWrite
+from lightning_5d.checkpoint.options import CheckpointFormat, CheckpointWrite
 from lightning_5d.config import ActivationCheckpointing, Layout, ParallelConfig, VerifyMode, ZeroStage
 from lightning_5d.dimensions import apply_dimensions, combination_for
 from lightning_5d.fp8.numerics_check import log_numerics, loss_without_fp8, numerics_check_due

@@ -162,7 +162,7 @@ def validate(cfg: DictConfig, refuse_combinations: bool = True):
 
 def _check_checkpoint(cfg: DictConfig) -> None:
     """The ``checkpoint:`` keys, before any process starts."""
-    from lightning_5d.checkpoint.strategy_io import checked_options
+    from lightning_5d.checkpoint.options import checked_options
     from lightning_5d.config import StrategyOptions
     from lightning_5d.worker import checkpoint_options
 

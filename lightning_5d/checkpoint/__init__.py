@@ -13,7 +13,7 @@ from lightning_5d.checkpoint.full import (
 )
 from lightning_5d.checkpoint.pretrained import PretrainedLoad, load_pretrained
 from lightning_5d.checkpoint.sharded import is_sharded_checkpoint, read_layout, read_model_state
-from lightning_5d.checkpoint.strategy_io import CheckpointFormat, CheckpointWrite
+from lightning_5d.checkpoint.options import CheckpointFormat, CheckpointWrite
 
 __all__ = [
     "CheckpointError",

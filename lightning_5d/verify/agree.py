@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from lightning_5d.parallel.pipeline.batch import PipelinePeerError
+from lightning_5d.parallel.pipeline.failure import PipelinePeerError
 
 
 def _echoes_a_peer(error: BaseException) -> bool:

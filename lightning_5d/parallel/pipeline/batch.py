@@ -19,16 +19,6 @@ class PipelineError(LayoutError):
     """A model or a step the pipeline cannot honour; the message says what to change."""
 
 
-class PipelinePeerError(PipelineError):
-    """Another stage's rank failed during a forward-only run; this rank stops with it instead of
-    waiting for an activation that will not come. ``rank``: the failing rank (global)."""
-
-    def __init__(self, rank: int, message: str | None) -> None:
-        self.rank = rank
-        detail = f": {message}" if message else " (its own error says why)"
-        super().__init__(f"the pipeline stage on rank {rank} failed during the forward{detail}")
-
-
 def split_microbatches(batch: Any, m: int) -> list[Any]:
     """m microbatches of a batch (tensors cut along dim 0; other values shared)."""
     sizes = set()

@@ -16,6 +16,8 @@ The schedules are ``torch.distributed.pipelining``'s (:mod:`.schedule`), with
 static stage shapes taken from a probe of the first block's input.
 
 Tied input/output embeddings (the head's weight *is* the embedding's): :mod:`.tied`.
+Validation, test and predict run forward only (:mod:`.forward_only`); a training run in
+which one rank's stage raises ends with every rank raising that error (:mod:`.failure`).
 
 Microbatches and Lightning: one Lightning batch is one pipeline run of m microbatches
 (``pipeline.microbatches``); gradients are the mean over them, the same as a step on the
@@ -54,7 +56,6 @@ from lightning_5d.plan.model_plan import LooseParam, ModelPlan, Phase
 
 from .batch import (
     PipelineError,
-    PipelinePeerError,
     _combine_logs,
     _loss_of,
     _shapes,
@@ -62,6 +63,8 @@ from .batch import (
     merge_step_outputs,
     split_microbatches,
 )
+from .failure import StepFailures
+from .forward_only import ForwardOnlyOutcome, ForwardOnlyRun, raise_failure
 from .schedule import schedule_class
 from .split import split_blocks, stage_weights
 from .tied import TiedEmbedding, check_tied_schedule, tied_names
@@ -153,7 +156,15 @@ class StageTimes:
 
 
 class _Stage(PipelineStage):
-    """torch's stage, plus the microbatch index the forward is for, and timings."""
+    """torch's stage, plus the microbatch index the forward is for, timings, and stand-ins after a failure.
+
+    Once a forward or backward on this rank raised (recorded in ``runtime.failures``), every
+    later computation of the run on this rank is a stand-in: a forward leaves a zero activation
+    (zero loss on the last stage) where torch's sends read it, a backward leaves no input
+    gradient (torch sends zeros for it). The schedule's sends and receives all still happen, so
+    the peers finish the run and learn of the failure at its end (:mod:`.failure`). The normal
+    path pays one attribute test per computation.
+    """
 
     def __init__(self, *args: Any, runtime: "PipelineParallel", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -168,24 +179,67 @@ class _Stage(PipelineStage):
             self._runtime.times.busy_s += time.perf_counter() - start
 
     def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None, save_forward_output: bool = True):
-        self._runtime.current_microbatch[self.stage_index] = fwd_chunk_id
-        out = self._timed(
-            lambda: super(_Stage, self).forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
-        )
-        if self.has_backward:
-            self._held += 1
-            peaks = self._runtime.times.peak_in_flight
-            peaks[self.stage_index] = max(peaks.get(self.stage_index, 0), self._held)
-        return out
+        failures = self._runtime.failures
+        if not failures.failed:
+            self._runtime.current_microbatch[self.stage_index] = fwd_chunk_id
+            try:
+                out = self._timed(
+                    lambda: super(_Stage, self).forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+                )
+            except Exception as err:  # noqa: BLE001 - raised on every rank at the run's end (failure.py)
+                failures.record(err, self.stage_index, fwd_chunk_id)
+            else:
+                if self.has_backward:
+                    self._held += 1
+                    peaks = self._runtime.times.peak_in_flight
+                    peaks[self.stage_index] = max(peaks.get(self.stage_index, 0), self._held)
+                return out
+        return self._stand_in_forward(fwd_chunk_id, save_forward_output)
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
-        self._held -= 1
-        return self._timed(
-            lambda: super(_Stage, self).backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
-        )
+        failures = self._runtime.failures
+        if not failures.failed:
+            self._held -= 1
+            try:
+                return self._timed(
+                    lambda: super(_Stage, self).backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+                )
+            except Exception as err:  # noqa: BLE001 - as in forward_one_chunk
+                failures.record(err, self.stage_index, bwd_chunk_id)
+        self._stand_in_backward(bwd_chunk_id, full_backward)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
-        return self._timed(lambda: super(_Stage, self).backward_weight_one_chunk(bwd_chunk_id, last_backward))
+        failures = self._runtime.failures
+        if not failures.failed:
+            try:
+                return self._timed(
+                    lambda: super(_Stage, self).backward_weight_one_chunk(bwd_chunk_id, last_backward)
+                )
+            except Exception as err:  # noqa: BLE001 - as in forward_one_chunk
+                failures.record(err, self.stage_index, bwd_chunk_id)
+        self.dw_runner.pop(bwd_chunk_id, None)
+        self.backward_state.pop(bwd_chunk_id, None)
+
+    def _stand_in_forward(self, chunk: int, save_forward_output: bool) -> Tensor:
+        """What torch's forward would leave behind, without running the user's step: the output
+        its sends (or the loss function, on the last stage) read, and a cache entry for the backward."""
+        shape, dtype = self._runtime._activation_meta
+        if self.is_last:
+            out = torch.zeros((), device=self.device)
+            if save_forward_output:
+                self.output_chunks.append(out)
+        else:
+            out = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.fwd_cache[chunk] = ((out,), [])
+        return out
+
+    def _stand_in_backward(self, chunk: int, full_backward: bool) -> None:
+        """No gradient for the previous stage (torch sends zeros in its place); nothing for the weights."""
+        self.fwd_cache.pop(chunk, None)  # the graph of a forward that ran before the failure
+        if not self.is_first:
+            self.bwd_cache[chunk] = (None,)  # one activation in: the stage's only input
+        if not full_backward:
+            self.dw_runner[chunk] = lambda: None  # the schedule's W action for this chunk comes next
 
 
 class PipelineParallel:
@@ -252,9 +306,8 @@ class PipelineParallel:
         self.tied.join_pair_group(mesh, self.group, self.pp)
 
         self.times = StageTimes()
-        # A forward-only run's failure (global rank, message) and this rank's own exception (_run_forward_only).
-        self._failed: tuple[int, str | None] | None = None
-        self._own_error: Exception | None = None
+        # A training run's first failure on this rank (its stages then stand in: _Stage).
+        self.failures = StepFailures()
         self.current_microbatch: dict[int, int] = {}
         self.running_stage: int | None = None
         self._incoming: Tensor | None = None
@@ -406,17 +459,34 @@ class PipelineParallel:
 
         Both are the last stage's, sent to every pipeline rank, so each rank returns and logs the same.
         """
-        self._microbatches = split_microbatches(batch, self.microbatches)
         self._step_fn, self._results, self._logs, self._mode = step_fn, {}, {}, mode
         try:
-            self._probe_activation()
             if mode == PipelineMode.TRAIN:
-                self._run_schedule()
-            else:
-                self._run_forward_only()
-            return self._share_last_stage_results()
+                self._train(batch)
+                return self._share_last_stage_results()
+            self._microbatches = split_microbatches(batch, self.microbatches)
+            self._probe_activation()
+            outcome = self._forward_only().run()
+            return self._share_last_stage_results(outcome)
         finally:
             self._step_fn, self._microbatches, self._results, self._logs = None, [], {}, {}
+
+    def _train(self, batch: Any) -> None:
+        """The schedule, then every rank of the world agrees on whether any rank failed (:mod:`.failure`).
+
+        A failure before the schedule (a batch that does not split, a probe that fails) is the
+        same on every rank of this pipe (they read the same batch; the probe's error is
+        broadcast), so the whole pipe skips the schedule and still meets the others at the flag.
+        """
+        self.failures = StepFailures()  # nothing left over from a run that torch's own code ended
+        try:
+            self._microbatches = split_microbatches(batch, self.microbatches)
+            self._probe_activation()
+        except Exception as err:  # noqa: BLE001 - raised on every rank by agree(), below
+            self.failures.record(err)
+        if not self.failures.failed:
+            self._run_schedule()
+        self.failures.agree(self.device)
 
     def _run_schedule(self) -> None:
         schedule = self._schedule_for(PipelineMode.TRAIN)
@@ -431,71 +501,27 @@ class PipelineParallel:
         finally:
             self.times.wall_s = time.perf_counter() - start
 
-    def _run_forward_only(self) -> None:
-        """Validation, test, predict: every microbatch forward through the stages in order.
+    def _forward_only(self) -> ForwardOnlyRun:
+        return ForwardOnlyRun(
+            stages=self._stage_modules,
+            owner=self.owner,
+            rank=self.rank,
+            microbatches=self.microbatches,
+            group=self.group,
+            device=self.device,
+            activation=self._activation_meta,
+            current_microbatch=self.current_microbatch,
+        )
 
-        Not torch's ``eval()``: its V schedules still run their backward actions' local
-        hand-offs with backward off. Here each stage sends its outputs as it makes them
-        (non-blocking) and the next stage's rank receives them in the same global order.
-
-        Each hand-off is a flag (0, or the failing rank + 1) followed by the activation only
-        when the flag is 0: a stage whose forward raised (the plan verifier's probe of a block
-        that cannot run under tp) keeps sending flags instead of leaving the next stage's rank
-        blocked in a receive; the last stage's rank then tells every stage (in the results'
-        broadcast), so every pipeline rank raises, none waits for a peer that has gone.
-        """
-        shape, dtype = self._activation_meta
-        pending = []
-        local: dict[tuple[int, int], Tensor | None] = {}
-        me = dist.get_rank()
-        own: Exception | None = None
-        failed: tuple[int, str | None] | None = None  # (global rank, message if this rank's own)
-        for s in range(self.num_stages):
-            if self.owner[s] != self.rank:
-                continue
-            for mb in range(self.microbatches):
-                x: Tensor | None
-                if s == 0:
-                    x = torch.zeros(1, dtype=torch.long, device=self.device)
-                elif self.owner[s - 1] == self.rank:
-                    x = local.pop((s - 1, mb))  # None after this rank's own earlier stage failed
-                else:
-                    flag = torch.zeros(1, dtype=torch.long, device=self.device)
-                    dist.recv(flag, group=self.group, group_src=self.owner[s - 1])
-                    x = None
-                    if int(flag.item()) == 0:
-                        x = torch.empty(shape, dtype=dtype, device=self.device)
-                        dist.recv(x, group=self.group, group_src=self.owner[s - 1])
-                    elif failed is None:
-                        failed = (int(flag.item()) - 1, None)
-                out = None
-                if x is not None and failed is None:
-                    self.current_microbatch[s] = mb
-                    try:
-                        out = self._stage_modules[s](x)
-                    except Exception as err:  # noqa: BLE001 - re-raised below, after the flags went out
-                        own, failed = err, (me, f"{type(err).__name__}: {err}")
-                if s == self.num_stages - 1:
-                    continue
-                if self.owner[s + 1] == self.rank:
-                    local[(s, mb)] = out
-                else:
-                    code = 0 if out is not None else failed[0] + 1
-                    flag = torch.tensor([code], dtype=torch.long, device=self.device)
-                    pending.append(dist.isend(flag, group=self.group, group_dst=self.owner[s + 1]))
-                    if out is not None:
-                        pending.append(dist.isend(out.contiguous(), group=self.group, group_dst=self.owner[s + 1]))
-        for work in pending:
-            work.wait()
-        self._failed = failed
-        self._own_error = own
-
-    def _share_last_stage_results(self) -> tuple[Any, list]:
+    def _share_last_stage_results(self, outcome: ForwardOnlyOutcome | None = None) -> tuple[Any, list]:
+        """The last stage's outputs and logs on every pipeline rank; after a forward-only run in
+        which a stage failed, every pipeline rank raises instead (``outcome``: this rank's view)."""
+        failed = outcome.failed if outcome is not None else None
         last_rank = self.owner[-1]
         payload = None
         if self.rank == last_rank:
-            if self._failed is not None:  # a stage failed: no results, every rank learns which rank
-                payload = (None, [], self._failed)
+            if failed is not None:  # a stage failed: no results, every rank learns which rank
+                payload = (None, [], failed)
             else:
                 results = [self._results[i] for i in range(self.microbatches)]
                 logged = _combine_logs([self._logs.get(i, []) for i in range(self.microbatches)])
@@ -504,12 +530,9 @@ class PipelineParallel:
                 payload = (out, logged, None)
         box = [payload]
         dist.broadcast_object_list(box, group=self.group, group_src=last_rank)
-        own, self._failed, self._own_error = self._own_error, None, None
         out, logged, failed = box[0]
         if failed is not None:
-            if own is not None:
-                raise own
-            raise PipelinePeerError(*failed)
+            raise_failure(failed, outcome.own if outcome is not None else None)
         return apply_to_collection(out, Tensor, lambda t: t.to(self.device)), logged
 
     def _probe_activation(self) -> None:
