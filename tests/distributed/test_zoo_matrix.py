@@ -12,7 +12,7 @@ import pytest
 
 from zoo_matrix import BY_ID, outcome_of, run_cells
 
-# Six models of six styles under five layouts, each passing today, all on 2 processes (one launch):
+# Seven models of seven styles under five layouts, each passing today, all on 2 processes (one launch):
 FAST = [
     "kwargs_forward__tp2psp",  # hand-written, keyword-only forwards, q/k/v biases: tp + sequence parallelism
     "phi3__cp2",  # Hugging Face Phi-3 (fused qkv_proj and gate_up_proj): context parallelism
@@ -20,6 +20,7 @@ FAST = [
     "olmo2__pp2",  # Hugging Face OLMo-2 (full-width q/k norms, post-norms): pipeline parallelism
     "olmo2__tp2",  # the same under tp: the full-width q/k norms as tp-distributed RMSNorms
     "gemma__pp2",  # Hugging Face Gemma (tied embeddings: a copy on each end, gradients summed): pp
+    "direct_lm__cp2",  # no position encoding, parameters on the LightningModule: cp needs no positions
 ]
 
 
@@ -59,7 +60,7 @@ def test_zoo_cell(zoo_run, cell_id):
 @pytest.mark.parametrize("cell_id", list(BY_ID))
 def test_zoo_matrix(zoo_run, cell_id):
     pytest.importorskip("transformers")
-    if BY_ID[cell_id]["model"] == "einops_style":
+    if BY_ID[cell_id]["model"] in ("einops_style", "einops_sdpa"):
         pytest.importorskip("einops")
     outcome = zoo_run(cell_id)
     assert outcome["status"] in ("pass", "refused"), describe(outcome)
