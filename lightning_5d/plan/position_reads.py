@@ -112,6 +112,12 @@ def redirect_reads(
     return undo
 
 
+_WAY_OUT = (
+    ". Take a position_ids argument in the model's forward and build the position embedding from it (the "
+    "strategy then hands in each shard's global positions), or use cp=1."
+)
+
+
 def _embedding_hook(read: PositionRead, positions: Positions) -> Callable:
     def hook(_module: nn.Module, args: tuple) -> Any:
         given = positions()
@@ -125,7 +131,7 @@ def _embedding_hook(read: PositionRead, positions: Positions) -> Callable:
         if ids.shape[-1] != n or not bool((ids == local).all()):
             raise PositionReadError(
                 f"{read.path} was observed to embed arange(n) of the sequence length, but got {tuple(ids.shape)} "
-                f"indices that are not arange({n})"
+                f"indices that are not arange({n}){_WAY_OUT}"
             )
         return (given.to(ids.device).expand(ids.shape), *args[1:])
 
@@ -157,7 +163,7 @@ class _RowsAt(TorchFunctionMode):
             if n != self.positions.numel():
                 raise PositionReadError(
                     f"{self.read.describe()} was read as {args[1]!r}, not as the first {self.positions.numel()} rows "
-                    f"the probe saw"
+                    f"the probe saw{_WAY_OUT}"
                 )
             table = args[0]
             return table.index_select(self.read.dim, self.positions.to(table.device))
