@@ -15,6 +15,8 @@ from enum import Enum
 
 from torch import nn
 
+from lightning_5d.plan.position_reads import PositionRead
+
 
 class PlanSource(str, Enum):
     """Where a plan came from, in the order they are tried."""
@@ -183,12 +185,16 @@ class ModelPlan:
     head: str | None = None  # the output projection (lm_head); None for a headless model
     position_embedding: str | None = None  # learned absolute positions (GPT-2's wpe)
     tied_head: bool = False  # head.weight is embedding.weight
-    # Observed by the probe: whether the last token's output changes when the tokens before it
-    # are reordered (False: no position information at all, NoPE; None: not observed).
+    # Observed by the probe (plan/position_reads.py) for a model whose forward takes no
+    # position_ids: where the forward reads token positions. uses_positions False: nowhere (NoPE);
+    # True: exactly at position_reads; None: not observed (or the positions are an input).
     uses_positions: bool | None = None
     # Observed by the probe: parameters of no part and when the forward read them (empty when
     # there are none, or when the model could not run: meta weights, a forward not on ids).
     loose_params: tuple[LooseParam, ...] = ()
+    position_reads: tuple[PositionRead, ...] = ()
+    # The root has no forward: the probe ran embedding -> blocks -> final norm -> head itself.
+    chain_assumed: bool = False
     notes: tuple[str, ...] = field(default=())  # what the detector assumed, for describe()
 
     @property

@@ -16,9 +16,10 @@ mode; parameters and their gradients are left untouched. When the model cannot b
 ids (its forward wants something else, or weights are still on the meta device), the
 shape-based default stays and the plan notes that it was not observed.
 
-It also records whether the model can carry positions at all (``ModelPlan.uses_positions``):
-a model with no position embedding, no tensor held outside its parameters and no
-``torch.arange`` in its forward has none, so context parallelism needs to route none.
+For a model whose forward takes no ``position_ids``, it also records where the forward reads
+token positions (``ModelPlan.position_reads``, :mod:`lightning_5d.plan.position_reads`), or
+that it reads none (``uses_positions`` False: NoPE), so context parallelism can give a
+sequence shard its global positions.
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
 from lightning_5d.plan import paths
 from lightning_5d.plan.loose_params import loose_parameter_uses
 from lightning_5d.plan.model_plan import AttentionPlan, ColumnLayout, LooseParam, MLPPlan, ModelPlan, Projection
+from lightning_5d.plan.position_reads import observe_reads, takes_position_ids
 
 PROBE_SHAPE = (2, 16)  # several positions: a causal mask leaves position 0's query little to depend on
 
@@ -51,7 +52,8 @@ def observe(root: nn.Module, plan: ModelPlan) -> ModelPlan:
     and whether the model uses token positions at all."""
     if any(p.is_meta for p in root.parameters()):
         return _noted(plan, "fused projection layouts not observed (weights on the meta device); assumed")
-    plan = replace(plan, uses_positions=_uses_positions(root, plan), loose_params=_loose_params(root, plan))
+    plan = _observe_positions(root, plan)
+    plan = replace(plan, loose_params=_loose_params(root, plan))
     targets = _targets(plan)
     if not targets:
         return plan
@@ -152,54 +154,66 @@ def _eval(root: nn.Module) -> Iterator[None]:
             m.training = training
 
 
-def _uses_positions(root: nn.Module, plan: ModelPlan) -> bool | None:
-    """False only when nothing in the model could carry a position: no position embedding, no
-    tensor held outside the parameters (a RoPE cos/sin or freqs cache), no matrix parameter held
-    beside submodules (a learned table), and no ``torch.arange`` during a forward (positions
-    built on the fly). None: it may use positions."""
-    if plan.position_embedding is not None:
-        return True
-    for module in root.modules():
-        held = [*module.buffers(recurse=False), *(v for v in vars(module).values() if isinstance(v, Tensor))]
-        if held:
-            return None
-        # A matrix parameter held next to submodules (``self.pos = nn.Parameter(...)`` on the
-        # model) may be a learned position table sliced by length: 4.9e-4 off under cp=2 when
-        # this was not asked. Layers (Linear, Embedding, norms) hold theirs without children.
-        if any(True for _ in module.children()) and any(p.dim() >= 2 for p in module.parameters(recurse=False)):
-            return None
-    watch = _Aranges()
-    with _eval(root), torch.no_grad(), watch:
-        ran = _model_output(root, plan, torch.zeros(1, 8, dtype=torch.long))
-    if ran is None or watch.calls:
-        return None
-    return False
+def _observe_positions(root: nn.Module, plan: ModelPlan) -> ModelPlan:
+    """``plan`` with where a model without a ``position_ids`` input reads its positions
+    (:mod:`lightning_5d.plan.position_reads`): ``position_reads`` and ``uses_positions``."""
+    if any(takes_position_ids(m.forward) for m in _ancestors_of_blocks(root, plan)):
+        return plan  # the positions are an input: context parallelism hands them in
+    run, chain = _runner(root, plan)
+    if run is None:
+        return plan
+    with _eval(root), torch.enable_grad():  # grad on: nn.TransformerEncoderLayer's fused fast path stays off
+        reads = observe_reads(root, plan.embedding, run)
+    if reads is None:
+        return plan
+    return replace(plan, uses_positions=bool(reads), position_reads=reads, chain_assumed=chain)
 
 
-class _Aranges(TorchFunctionMode):
-    """Counts ``torch.arange`` calls: the usual way a forward builds positions."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.arange:
-            self.calls += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _model_output(root: nn.Module, plan: ModelPlan, ids: Tensor) -> Tensor | None:
-    weight = root.get_submodule(plan.embedding).weight
+def _ancestors_of_blocks(root: nn.Module, plan: ModelPlan) -> list[nn.Module]:
     parts = plan.blocks.split(".")
-    for depth in range(len(parts)):
+    return [root.get_submodule(".".join(parts[:depth])) for depth in range(len(parts))]
+
+
+def _runner(root: nn.Module, plan: ModelPlan) -> tuple[Callable[[Tensor], Tensor | None] | None, bool]:
+    """How to run the model on ids ``[1, n]`` to its output: the first module on the way down to
+    the blocks that runs on token ids; else, for a root with no forward of its own that holds the
+    embedding, blocks and head itself (parameters on the LightningModule), the chain embedding ->
+    blocks -> final norm -> head (True: context parallelism then checks that every step's calls
+    follow it)."""
+    device = root.get_submodule(plan.embedding).weight.device
+    probe = torch.zeros(1, 8, dtype=torch.long, device=device)
+    for module in _ancestors_of_blocks(root, plan):
         try:
-            out = root.get_submodule(".".join(parts[:depth]))(ids.to(weight.device))
+            with _eval(root), torch.no_grad():
+                out = _first_tensor(module(probe))
         except Exception:  # noqa: BLE001 - this module does not take token ids
             continue
-        tensor = _first_tensor(out)
-        return tensor if tensor is not None and tensor.dim() >= 2 else None
-    return None
+        if out is not None and out.dim() >= 2:
+            return (lambda ids, m=module: _first_tensor(m(ids.to(device)))), False
+        return None, False
+    if not _holds_the_chain(root, plan):
+        return None, False
+
+    return (lambda ids: run_chain(root, plan, ids.to(device))), True
+
+
+def run_chain(root: nn.Module, plan: ModelPlan, ids: Tensor) -> Tensor:
+    """embedding -> each block -> final norm -> head, for a root that holds them and has no forward."""
+    x = root.get_submodule(plan.embedding)(ids)
+    for block in plan.blocks_of(root):
+        x = block(x)
+    if plan.final_norm:
+        x = root.get_submodule(plan.final_norm)(x)
+    return root.get_submodule(plan.head)(x)
+
+
+def _holds_the_chain(root: nn.Module, plan: ModelPlan) -> bool:
+    """The root has no forward of its own and holds the embedding, blocks, final norm and head directly."""
+    from lightning.pytorch import LightningModule
+
+    own_forward = type(root).forward not in (nn.Module.forward, LightningModule.forward)
+    parts = [plan.embedding, plan.blocks, plan.final_norm, plan.head]
+    return not own_forward and plan.head is not None and all(p is None or "." not in p for p in parts)
 
 
 def _first_tensor(out: object) -> Tensor | None:

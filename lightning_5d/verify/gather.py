@@ -60,6 +60,8 @@ class ActivationLayout:
         if not isinstance(value, Tensor) or value.dim() == 0:
             return value
         dim = 1 if value.dim() >= 2 else 0
+        if dim == 1 and self.cp > 1 and value.size(1) * self.cp != self.seq_len == value.size(0) * self.cp:
+            dim = 0  # sequence first: a position embedding looked up on 1-D positions ([S/cp] -> [S/cp, hidden])
         length = value.size(dim)
         if self.sequence_parallel and self.tp > 1 and length * self.tp * self.cp == self.seq_len:
             value = torch.cat(_gather_list(value, self.tp_group, self.tp), dim=dim)

@@ -16,6 +16,7 @@ runs through the pipeline's forward-only path, each stage recording its own piec
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -23,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_5d.plan.model_plan import ModelPlan
+from lightning_5d.plan.observe import run_chain
 from lightning_5d.verify.skeleton import Piece, PieceKind
 
 PROBE_SEED = 1234  # any fixed value: every rank must draw the same ids
@@ -153,9 +155,14 @@ def probe_call(module: nn.Module, plan: ModelPlan | None) -> Callable[[Tensor], 
     if type(module).forward is not LightningModule.forward:
         return _token_call(module)
     path = _backbone_path(plan)
-    if not path:
+    if not path and plan is not None and plan.chain_assumed:
+        # No forward anywhere (parameters on the LightningModule): the chain discovery ran, which
+        # context parallelism checks each step's calls follow; the pieces are compared either way.
+        backbone = functools.partial(run_chain, module, plan)
+    elif not path:
         return None
-    backbone = _token_call(module.get_submodule(path))
+    else:
+        backbone = _token_call(module.get_submodule(path))
 
     def call(ids: Tensor) -> Any:
         module.forward = lambda input_ids: backbone(input_ids)  # only for this call: an instance attribute

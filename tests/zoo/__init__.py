@@ -48,18 +48,30 @@ MODELS: dict[str, tuple[str, str]] = {
     "gemma": ("zoo.hf_families:gemma", "HF Gemma: head_dim 32 != 64/4, embedding subclass scaling by "
               "sqrt(hidden), tied embeddings"),
 }
+# Variants that follow a refusal's advice exactly (zoo/variants.py): name -> (module:function, the
+# original and what changed). The matrix runs them under the layouts with cp only.
+VARIANTS: dict[str, tuple[str, str]] = {
+    "alternating_sdpa": ("zoo.variants:alternating_sdpa", "alternating, its attention calling "
+                         "F.scaled_dot_product_attention (cp's advice)"),
+    "einops_sdpa": ("zoo.variants:einops_sdpa", "einops_style, its attention calling "
+                    "F.scaled_dot_product_attention (cp's advice)"),
+    "plain_torch_positions": ("zoo.variants:plain_torch_positions", "plain_torch, TinyTransformer.forward taking "
+                              "position_ids and the rotary angles built from them (cp's advice)"),
+}
 # name -> (query heads, key/value heads): what a user fills into a model_plan's attention(...)
 HEADS: dict[str, tuple[int, int]] = {
     "nanogpt": (4, 4), "plain_torch": (4, 4), "direct_lm": (4, 2), "moduledict_layers": (4, 4), "alternating": (4, 4),
     "torch_encoder": (4, 4), "kwargs_forward": (4, 4), "nested_lists": (4, 2), "nested_blocks": (4, 2), "einops_style": (4, 4), "gpt_neox": (4, 4), "phi3": (4, 2),
     "olmo2": (4, 2), "qwen3": (4, 2), "gemma": (4, 2),
+    "alternating_sdpa": (4, 4), "einops_sdpa": (4, 4), "plain_torch_positions": (4, 4),
 }  # fmt: skip
 HUGGING_FACE = ("gpt_neox", "phi3", "olmo2", "qwen3", "gemma")
 
 
 def build(name: str) -> ZooLM:
-    """The zoo model ``name`` in its LightningModule (random init from the current RNG state)."""
-    if name not in MODELS:
-        raise KeyError(f"no zoo model {name!r}; the zoo has {', '.join(MODELS)}")
-    module, function = MODELS[name][0].split(":")
+    """The zoo model (or variant) ``name`` in its LightningModule (random init from the current RNG state)."""
+    known = {**MODELS, **VARIANTS}
+    if name not in known:
+        raise KeyError(f"no zoo model {name!r}; the zoo has {', '.join(known)}")
+    module, function = known[name][0].split(":")
     return getattr(importlib.import_module(module), function)()

@@ -8,11 +8,11 @@ import torch
 import zoo
 
 
-@pytest.mark.parametrize("name", list(zoo.MODELS))
+@pytest.mark.parametrize("name", [*zoo.MODELS, *zoo.VARIANTS])
 def test_zoo_model_is_a_seeded_causal_lm(name):
     if name in zoo.HUGGING_FACE:
         pytest.importorskip("transformers")
-    if name == "einops_style":
+    if name in ("einops_style", "einops_sdpa"):
         pytest.importorskip("einops")
     L.seed_everything(0, verbose=False)
     model = zoo.build(name).eval()
@@ -32,3 +32,18 @@ def test_zoo_model_is_a_seeded_causal_lm(name):
 def test_unknown_name_lists_the_zoo():
     with pytest.raises(KeyError, match="nanogpt"):
         zoo.build("gpt5")
+
+
+@pytest.mark.parametrize("variant, original", [("alternating_sdpa", "alternating"), ("einops_sdpa", "einops_style"),
+                                               ("plain_torch_positions", "plain_torch")])  # fmt: skip
+def test_a_variant_computes_what_its_original_computes(variant, original):
+    """A variant only follows a refusal's advice: the same weights and the same logits."""
+    if "einops" in original:
+        pytest.importorskip("einops")
+    L.seed_everything(0, verbose=False)
+    a = zoo.build(original).eval()
+    L.seed_everything(0, verbose=False)
+    b = zoo.build(variant).eval()
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(b.logits(x), a.logits(x), rtol=1e-5, atol=1e-5)

@@ -242,6 +242,15 @@ def route_attention(
         path = f"{plan.block_path(i)}.{att.path}"
         attention = module.get_submodule(path)
         where = f"{path} ({type(attention).__name__})"
+        if isinstance(attention, nn.MultiheadAttention):
+            # Its SDPA call is inside F.multi_head_attention_forward, itself a torch function: a
+            # TorchFunctionMode sees only that outer call, so the inner one would run on the shard alone.
+            raise ContextParallelError(
+                f"{where} is nn.MultiheadAttention, whose F.scaled_dot_product_attention call happens inside "
+                f"torch's F.multi_head_attention_forward, where cp={cp.size} cannot turn it into ring attention. Use "
+                f"cp=1 for this model, or write the attention with its own q/k/v projections calling "
+                f"F.scaled_dot_product_attention."
+            )
         if att.kernel is AttentionKernel.EXPLICIT_SOFTMAX:
             raise ContextParallelError(
                 f"{where} computes softmax(QKᵀ)V itself, which ring attention cannot replace; call "

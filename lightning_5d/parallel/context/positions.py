@@ -10,8 +10,12 @@ embeddings must instead see each token's place in the whole sequence. Two routes
 * **length-sliced RoPE cache**: a rotary module called as ``rope(x, seq_len=n)`` that
   returns the first ``n`` rows of a cos/sin cache is asked for the whole sequence and
   answers with the rows of this shard's positions.
+* **observed reads** (a model without either): where discovery's probe saw the forward read
+  its positions (:mod:`lightning_5d.plan.position_reads`: an embedding of ``arange(n)``, a
+  table read as its first n rows, or nothing at all for NoPE) and proved that, given the
+  shard's positions there, each token computes what it computes in the whole sequence.
 
-A model offering neither is refused at setup with what it must expose.
+A model offering none of these is refused at setup with what it must expose.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from torch import Tensor, nn
 from lightning_5d.parallel.context.batch import ContextParallelError
 from lightning_5d.parallel.context.state import ContextState
 from lightning_5d.plan.model_plan import ModelPlan
+from lightning_5d.plan.position_reads import redirect_reads
 
 
 def _parameters(fn: Any) -> list[str]:
@@ -78,18 +83,69 @@ def route_positions(
         for _, rotary in rotaries:
             _slice_rotary(cp, rotary)
         return f"global rows of the RoPE cache in {', '.join(n for n, _ in rotaries)}"
-    if plan.uses_positions is False:
-        # Observed at discovery: reordering the earlier tokens leaves the output unchanged, so
-        # the model reads no position (NoPE); ring attention over the shards is all cp changes.
-        return "none needed (the model's output ignores token order: no position information)"
+    if plan.uses_positions is not None:
+        # Observed at discovery (plan/position_reads.py): with these reads given the shard's
+        # positions, every token computes what it computes in the whole sequence outside
+        # attention, which ring attention makes global. No read at all: NoPE.
+        if plan.chain_assumed:
+            _follow_the_chain(cp, module, plan)
+        if not plan.position_reads:
+            return "none needed (observed: the model reads no position; NoPE)"
+        current = lambda: cp.current.positions if cp.current is not None else None  # noqa: E731
+        cp.undo.extend(redirect_reads(module, plan.position_reads, current, cp.wrap_forward))
+        return "global positions into " + ", ".join(r.describe() for r in plan.position_reads)
     owner = plan.blocks.rsplit(".", 1)[0] if "." in plan.blocks else ""
     owner_cls = type(module.get_submodule(owner)).__name__
     raise ContextParallelError(
         f"cp={cp.size} cuts the sequence, so each token needs its global position, but {owner_cls}.forward "
-        f"(the module holding {plan.blocks}) takes no position_ids and no rotary module with a seq_len argument "
-        f"was found. Add a position_ids argument to {owner_cls}.forward and build the position embedding "
+        f"(the module holding {plan.blocks}) takes no position_ids, no rotary module with a seq_len argument "
+        f"was found, and the probe could not show where the model reads positions (an embedding of arange(n), "
+        f"a table read as its first n rows, or none at all; rotary angles from arange inside attention are not "
+        f"followed). Add a position_ids argument to {owner_cls}.forward and build the position embedding "
         f"(RoPE cos/sin or learned) from it, defaulting to arange(seq_len) when it is None; or use cp=1."
     )
+
+
+def _follow_the_chain(cp: ContextState, module: nn.Module, plan: ModelPlan) -> None:
+    """The root has no forward, so the probe ran its parts as a chain; each step must call them so:
+    embedding -> blocks -> final norm -> head, each on the previous one's output unchanged (code of
+    the LightningModule's own between them, which the probe did not see, could add positions).
+    Checked up to the head once per step: activation-checkpoint recomputation comes after it."""
+    parts = [plan.embedding, *(plan.block_path(i) for i in range(plan.num_blocks))]
+    parts += [p for p in (plan.final_norm, plan.head) if p]
+    state: dict[str, Any] = {"out": None, "from": None, "done": True}
+
+    def record(path: str, _m: nn.Module, _args: tuple, out: Any) -> None:
+        if cp.current is not None and not state["done"]:
+            state["out"], state["from"] = out, path
+
+    def check(path: str, previous: str, _m: nn.Module, args: tuple) -> None:
+        if cp.current is None or state["done"]:
+            return
+        if not args or args[0] is not state["out"] or state["from"] != previous:
+            state["done"] = True
+            raise ContextParallelError(
+                f"{type(module).__name__} has no forward, so the probe ran {plan.embedding} -> {plan.blocks} -> "
+                f"{' -> '.join(parts[-2:] if plan.final_norm else parts[-1:])} itself and saw no position read; but "
+                f"in this step {path} was not called on {previous}'s output (code between them that the probe "
+                f"did not see may add positions). Give the LightningModule a forward(input_ids) that runs the "
+                f"model, so the probe observes it, or use cp=1."
+            )
+        if path == parts[-1]:
+            state["done"] = True
+
+    def start(_m: nn.Module, _args: tuple, out: Any) -> None:
+        if cp.current is not None:
+            state.update(out=out, done=False)
+            state["from"] = parts[0]
+
+    cp.undo.append(module.get_submodule(parts[0]).register_forward_hook(start).remove)
+    for previous, path in zip(parts, parts[1:]):
+        sub = module.get_submodule(path)
+        hook = functools.partial(check, path, previous)
+        cp.undo.append(sub.register_forward_pre_hook(hook, prepend=True).remove)
+        if path != parts[-1]:
+            cp.undo.append(sub.register_forward_hook(functools.partial(record, path)).remove)
 
 
 def _inject(cp: ContextState, where: str, index: int, module: nn.Module, args: tuple, kwargs: dict) -> Any:

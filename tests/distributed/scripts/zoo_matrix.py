@@ -63,7 +63,9 @@ def make_cell(model: str, layout: str) -> dict:
             "heads": list(zoo.HEADS[model])}  # fmt: skip
 
 
+VARIANT_LAYOUTS = ("cp2", "tp2+sp x cp2 x pp2")  # the variants follow cp's advice (zoo/variants.py)
 MATRIX = [make_cell(model, layout) for layout in LAYOUTS for model in zoo.MODELS]
+MATRIX += [make_cell(model, layout) for layout in VARIANT_LAYOUTS for model in zoo.VARIANTS]
 BY_ID = {cell["id"]: cell for cell in MATRIX}
 
 
@@ -282,7 +284,8 @@ def main() -> None:
                         "it counts as hung (scaled with the process count)")  # fmt: skip
     args = parser.parse_args()
     models, layouts = args.models.split(","), args.layouts.split(",")
-    unknown = [m for m in models if m not in zoo.MODELS] + [lay for lay in layouts if lay not in LAYOUTS]
+    unknown = [m for m in models if m not in {**zoo.MODELS, **zoo.VARIANTS}]
+    unknown += [lay for lay in layouts if lay not in LAYOUTS]
     if unknown:
         parser.error(f"unknown model or layout: {unknown}")
     cells = [c for c in MATRIX if c["model"] in models and c["layout"] in layouts]

@@ -48,6 +48,11 @@ def render(outcomes: list[dict], run: dict, note_text: str) -> str:
     for model in zoo.MODELS:
         cells = [by.get((model, lay)) for lay in layouts]
         rows.append(f"| `{model}` | " + " | ".join(cell_text(c, note) if c else "not run" for c in cells) + " |")
+    for model in zoo.VARIANTS:  # a refusal's advice followed (zoo/variants.py): the cp layouts only
+        cells = [by.get((model, lay)) for lay in layouts]
+        if any(cells):
+            text = " | ".join(cell_text(c, note) if c else "-" for c in cells)
+            rows.append(f"| `{model}` (variant) | {text} |")
     counts = [f"| {lay} | {LAYOUTS[lay][0]} | "
               + " | ".join(str(sum(o["status"] == s for o in outcomes if o["layout"] == lay)) for s in STATUSES)
               + " |" for lay in layouts]  # fmt: skip

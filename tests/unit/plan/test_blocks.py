@@ -109,10 +109,8 @@ def test_the_suggested_model_plan_is_accepted_for_a_module_dict():
 
 
 def test_a_model_with_no_position_information_is_observed_as_such():
-    assert discover(Plain()).uses_positions is False
-    with_positions = Plain()
-    with_positions.pos_emb = nn.Embedding(64, HIDDEN)  # a learned position table: positions may matter
-    assert discover(with_positions).uses_positions is not False
+    plan = discover(Plain())  # more cases: tests/unit/plan/test_position_reads.py
+    assert plan.uses_positions is False and plan.position_reads == ()
 
 
 def test_the_planner_reads_a_config_less_model_from_discovery():
