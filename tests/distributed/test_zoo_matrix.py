@@ -93,6 +93,18 @@ def test_advice_plan_fills_the_head_counts_and_leaves_out_optional_lines():
     assert advice_plan("no head count for attention blocks.0", [4, 4]) is None
 
 
+def test_advice_plan_reads_an_inline_model_plan_and_adds_kv_heads_for_grouped_query_attention():
+    from zoo_matrix import advice_plan
+
+    message = (
+        "tp=2 splits attention by heads, but no head count is known for blocks.0.attention (...). Give it in the "
+        "strategy's model_plan, e.g. model_plan={'blocks.*.attention': 'attention(heads=<N>)'} (add kv_heads=<K> "
+        "for grouped-query attention), or use tp=1."
+    )
+    assert advice_plan(message, [4, 2]) == {"blocks.*.attention": "attention(heads=4, kv_heads=2)"}
+    assert advice_plan(message, [4, 4]) == {"blocks.*.attention": "attention(heads=4)"}
+
+
 def test_refusals_are_lightning_5d_errors_and_crashes_name_the_inner_error():
     from lightning_5d.config import LayoutError
     from lightning_5d.plan.blocks import ModelMappingError
