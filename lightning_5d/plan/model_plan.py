@@ -93,6 +93,9 @@ class AttentionPlan:
     # because the module reshapes with them ("layer rewriting").
     head_attributes: tuple[str, ...] = ()
     kernel: AttentionKernel = AttentionKernel.UNKNOWN
+    # view/reshape/split calls of the forward whose sizes hold a full head count or width
+    # (``plan.shape_sites.ShapeSite``, observed at full size): tp replays them with local sizes.
+    shape_sites: tuple = ()
 
     @property
     def column(self) -> tuple[Projection, ...]:

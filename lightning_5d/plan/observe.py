@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_5d.plan import paths
+from lightning_5d.plan import paths, shape_sites
 from lightning_5d.plan.model_plan import AttentionPlan, ColumnLayout, MLPPlan, ModelPlan, Projection
 
 PROBE_SHAPE = (2, 16)  # several positions: a causal mask leaves position 0's query little to depend on
@@ -51,6 +51,8 @@ def observe(root: nn.Module, plan: ModelPlan) -> ModelPlan:
     if any(p.is_meta for p in root.parameters()):
         return _noted(plan, "fused projection layouts not observed (weights on the meta device); assumed")
     plan = replace(plan, uses_positions=_uses_positions(root, plan))
+    with _eval(root):
+        plan = shape_sites.observe_sites(root, plan, lambda shape: _run(root, plan, shape))
     targets = _targets(plan)
     if not targets:
         return plan
@@ -197,12 +199,12 @@ def _first_tensor(out: object) -> Tensor | None:
     return next((t for t in map(_first_tensor, values) if t is not None), None)
 
 
-def _run(root: nn.Module, plan: ModelPlan) -> bool:
+def _run(root: nn.Module, plan: ModelPlan, shape: tuple[int, int] = PROBE_SHAPE) -> bool:
     """Run the model on probe ids: the root, else each module on the way down to the blocks
     (a LightningModule without ``forward`` usually holds a model that has one)."""
     weight = root.get_submodule(plan.embedding).weight
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, plan.vocab_size, PROBE_SHAPE, generator=generator).to(weight.device)
+    ids = torch.randint(0, plan.vocab_size, shape, generator=generator).to(weight.device)
     parts = plan.blocks.split(".")
     for depth in range(len(parts)):
         candidate = root.get_submodule(".".join(parts[:depth]))
