@@ -12,7 +12,7 @@ import pytest
 
 from zoo_matrix import BY_ID, outcome_of, run_cells
 
-# Six models of six styles under five layouts, each passing today, all on 2 processes (one launch):
+# Seven models of seven styles under five layouts, each passing today, all on 2 processes (one launch):
 FAST = [
     "kwargs_forward__tp2psp",  # hand-written, keyword-only forwards, q/k/v biases: tp + sequence parallelism
     "phi3__cp2",  # Hugging Face Phi-3 (fused qkv_proj and gate_up_proj): context parallelism
@@ -20,7 +20,17 @@ FAST = [
     "olmo2__pp2",  # Hugging Face OLMo-2 (full-width q/k norms, post-norms): pipeline parallelism
     "olmo2__tp2",  # the same under tp: the full-width q/k norms as tp-distributed RMSNorms
     "gemma__pp2",  # Hugging Face Gemma (tied embeddings: a copy on each end, gradients summed): pp
+    "nanogpt__tp2psp",  # nanoGPT's split(n_embd) / view(B, T, C) replayed with the rank's widths: tp + SP
 ]
+# Cells that were refused and now train equal to one process (on demand, `-m extended`):
+FIXED = [
+    "nanogpt__tp2",  # split(self.n_embd) / view(B, T, C) of the full input width, replayed with local sizes
+    "nanogpt__tp2xpp2",
+    "direct_lm__pp2",  # no forward: pp runs training_step, the verifier runs the pieces in turn
+    "direct_lm__fp8",
+]
+# Refusals whose model_plan advice the runner follows: the cell is refused, the advice trains.
+ADVICE = ["direct_lm__tp2", "direct_lm__tp2psp", "direct_lm__tp2xpp2", "plain_torch__tp2"]
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +73,26 @@ def test_zoo_matrix(zoo_run, cell_id):
         pytest.importorskip("einops")
     outcome = zoo_run(cell_id)
     assert outcome["status"] in ("pass", "refused"), describe(outcome)
+
+
+@pytest.mark.distributed
+@pytest.mark.extended
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("cell_id", FIXED)
+def test_zoo_cell_that_was_refused_now_passes(zoo_run, cell_id):
+    outcome = zoo_run(cell_id)
+    assert outcome["status"] == "pass", describe(outcome)
+
+
+@pytest.mark.distributed
+@pytest.mark.extended
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("cell_id", ADVICE)
+def test_zoo_refusal_advice_trains(zoo_run, cell_id):
+    outcome = zoo_run(cell_id)
+    assert outcome["status"] == "refused", describe(outcome)
+    advice = outcome.get("advice") or {}
+    assert advice.get("status") == "pass", f"{describe(outcome)}\nadvice: {advice}"
 
 
 # ------------------------------------------------------------------ the runner's own logic (no processes)
