@@ -44,7 +44,8 @@ SHAPE_OPS: dict[Any, str] = {
 }
 _TORCH_DIR = os.path.dirname(torch.__file__)
 # Our own frames between the model's call and the mode: this file and the one replaying the sites.
-_OURS = (os.path.abspath(__file__), os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "parallel", "tensor", "local_shapes.py"))
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_OURS = (os.path.abspath(__file__), os.path.join(_PACKAGE, "parallel", "tensor", "local_shapes.py"))
 
 
 @dataclass(frozen=True)

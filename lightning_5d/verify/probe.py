@@ -17,6 +17,9 @@ runs through the pipeline's forward-only path, each stage recording its own piec
 
 from __future__ import annotations
 
+import linecache
+import os
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -232,11 +235,26 @@ def run_probe(
             ) from err
         raise ProbeError(
             f"the plan verifier could not run {type(module).__name__} on probe token ids of shape "
-            f"{tuple(batch['input_ids'].shape)}: {type(err).__name__}: {err}. The check calls the LightningModule's "
-            f"forward with token ids (or, without one, the forward of the module holding the embedding, blocks and "
-            f"head, or else the embedding, each block, the final norm and the head in turn); give the LightningModule a `forward(input_ids)` that runs the model, or pass "
+            f"{tuple(batch['input_ids'].shape)}: {type(err).__name__}: {err}{_model_line(err)}. The check calls the "
+            f"LightningModule's forward with token ids (or, without one, the forward of the module holding the "
+            f"embedding, blocks and head, or else the embedding, each block, the final norm and the head in turn); "
+            f"give the LightningModule a `forward(input_ids)` that runs the model, or pass "
             f"FiveDStrategy(verify='off') (l5d train: parallel.verify=off) to train without the check."
         ) from err
+
+
+def _model_line(err: Exception) -> str:
+    """`` (at file:line: code)`` of the innermost frame of the model's own code (not torch's, not
+    ours), so the message names the line that failed; empty when there is none."""
+    ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    torch_dir = os.path.dirname(torch.__file__)
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if not (f.filename.startswith(ours) or f.filename.startswith(torch_dir))]  # fmt: skip
+    if not frames:
+        return ""
+    last = frames[-1]
+    code = (last.line or linecache.getline(last.filename, last.lineno)).strip()
+    return f" (at {os.path.basename(last.filename)}:{last.lineno}: `{code}`)"
 
 
 def _mixed_dtype_hint(module: nn.Module, err: Exception) -> str:

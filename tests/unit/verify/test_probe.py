@@ -119,3 +119,24 @@ def test_a_lightning_module_without_forward_is_probed_through_its_pieces_in_orde
     assert seen == ["embedding", "blocks.0", "blocks.1", "final_norm", "lm_head"]  # every piece, once, in order
     torch.testing.assert_close(out, module.step_logits(ids), rtol=0, atol=0)
     assert "forward" not in vars(module)  # the stand-in forward is gone after the call
+
+
+class FullWidthSplit(nn.Module):
+    """A fused projection split by a width that does not fit its output (as under tp without the replay)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.qkv = nn.Embedding(16, 8), nn.Linear(8, 12)
+
+    def forward(self, ids):
+        q, k, v = self.qkv(self.embed(ids)).split(8, dim=2)
+        return q + k + v
+
+
+def test_a_failure_in_the_model_names_the_line_of_the_model_that_failed():
+    module = FullWidthSplit()
+    with pytest.raises(ProbeError) as raised:
+        run_probe(module, {"input_ids": torch.zeros(1, 4, dtype=torch.long)}, lambda b: module(b["input_ids"]))
+    message = str(raised.value)
+    assert "not enough values to unpack" in message
+    assert "(at test_probe.py:" in message and "`q, k, v = self.qkv(self.embed(ids)).split(8, dim=2)`" in message
