@@ -37,3 +37,14 @@ def test_shape_calls_are_read_in_each_spelling():
     assert shape_call(torch.Tensor.add, (x, 1), {}) is None
     assert with_sizes("split", (x, [1, 3], 2), (2, 2)) == (x, [2, 2], 2)
     assert with_sizes("split", (x, 4), (2,)) == (x, 2)
+
+
+def test_describe_lists_the_reshapes_tp_gives_local_sizes():
+    from lightning_5d.plan import describe
+
+    import re
+
+    text = describe(discover(TinyGPT()))
+    # One entry per line of code (the q/k/v views share one): split, the head view, the merge view.
+    assert re.search(r"width reshapes +nanogpt_style\.py:\d+ split, nanogpt_style\.py:\d+ view, "
+                     r"nanogpt_style\.py:\d+ view\n", text), text  # fmt: skip
