@@ -51,6 +51,7 @@ class _LocalShapes(TorchFunctionMode):
         super().__init__()
         self.sites, self.tp = sites, tp
         self.counter = SiteCounter()
+        self.rewrote = 0  # calls given local sizes in this forward
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -69,18 +70,30 @@ class _LocalShapes(TorchFunctionMode):
         local = site.local_sizes(sizes, self.tp)
         if local == sizes or not fits(site.op, tensor, local, dim, site.pieces):
             return args
+        self.rewrote += 1
         return with_sizes(site.op, args, local)
 
 
 def localize_shapes(attention: nn.Module, sites: tuple[ShapeSite, ...], tp: int) -> None:
-    """Run ``attention``'s forward under :class:`_LocalShapes` (a fresh count per call)."""
+    """Run ``attention``'s forward under :class:`_LocalShapes` (a fresh count per call).
+
+    A forward that completed without a call needing local sizes (the model's own sizes fit:
+    tp divided the attributes it reshapes with) will never need one, as the calls are the
+    same every step: later calls then skip the mode and its per-op dispatch. The wrapper
+    stays in place (a wrapper set around it later, cp's, keeps calling it)."""
     if not sites:
         return
     by_key = {site.key: site for site in sites}
     original = attention.forward
+    needed = [True]
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        with _LocalShapes(by_key, tp):
+        if not needed[0]:
             return original(*args, **kwargs)
+        mode = _LocalShapes(by_key, tp)
+        with mode:
+            out = original(*args, **kwargs)
+        needed[0] = mode.rewrote > 0
+        return out
 
     attention.forward = forward

@@ -64,3 +64,40 @@ def test_a_call_that_already_fits_is_left_as_the_model_wrote_it():
     assert fits("view", x, (2, 3, 2, 4), 0, 0) and fits("view", x, (2, 3, -1, 4), 0, 0)
     assert not fits("view", x, (2, 3, 4, 4), 0, 0)
     assert fits("split", x, (4,), 2, 2) and not fits("split", x, (4,), 2, 3) and fits("split", x, (3, 5), 2, 2)
+
+
+def test_a_forward_whose_own_sizes_fit_stops_paying_for_the_mode_after_one_call(monkeypatch):
+    """einops / head-attribute style: tp divided the attribute the forward reshapes with."""
+    from lightning_5d.parallel.tensor import local_shapes
+    from lightning_5d.plan.shape_sites import ShapeSite
+
+    class HeadsAttribute(nn.Module):
+        heads, head_dim = 2, 4  # already this rank's heads (4 / tp)
+
+        def forward(self, x):
+            return x.reshape(x.size(0), self.heads, self.head_dim)
+
+    modes = []
+
+    class Counted(local_shapes._LocalShapes):
+        def __init__(self, *args):
+            super().__init__(*args)
+            modes.append(self)
+
+    monkeypatch.setattr(local_shapes, "_LocalShapes", Counted)
+    module = HeadsAttribute()
+    code = HeadsAttribute.forward.__code__
+    key = (code.co_filename, code.co_firstlineno + 1, 0)
+    site = ShapeSite(key, "reshape", (None, 4, 4), (False, True, False))
+    localize_shapes(module, (site,), tp=2)
+    for _ in range(3):
+        assert module(torch.zeros(3, 8)).shape == (3, 2, 4)
+    assert len(modes) == 1 and modes[0].rewrote == 0  # one forward under the mode, nothing to rewrite
+    # A forward whose own sizes do not fit (the full head count) keeps its mode on every call:
+    modes.clear()
+    module = HeadsAttribute()
+    module.heads = 4
+    localize_shapes(module, (site,), tp=2)
+    for _ in range(3):
+        assert module(torch.zeros(3, 8)).shape == (3, 2, 4)
+    assert len(modes) == 3 and all(m.rewrote == 1 for m in modes)
