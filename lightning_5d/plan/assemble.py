@@ -9,7 +9,7 @@ attention kernel, vocabulary and hidden sizes. Missing or inconsistent parts rai
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NoReturn
 
 from torch import nn
@@ -37,6 +37,12 @@ class HeadLayout:
     head_dim: int
     segments: tuple[int, ...] = ()  # for a fused qkv
     note: str = ""
+
+    @property
+    def kv_segments(self) -> tuple[int, ...]:
+        """A fused [k|v] beside q: two segments of KV*d (empty without head counts)."""
+        width = self.num_kv_heads * self.head_dim
+        return (width, width) if width else ()
 
 
 class _Unmappable(Exception):
@@ -100,10 +106,18 @@ def _missing_top(root: nn.Module, top: TopHints) -> list[str]:
 
 def _fail(root: nn.Module, top: TopHints, block: BlockHints | None, problem: str) -> NoReturn:
     raise ModelMappingError(
-        f"Cannot map {type(root).__name__} for parallelism: {problem}.\n"
+        f"Cannot map {_model_named(root, top)} for parallelism: {problem}.\n"
         f"Name the parts in the strategy config, for example:\n\n"
         f"{model_plan_snippet(top, block)}"
     )
+
+
+def _model_named(root: nn.Module, top: TopHints) -> str:
+    """The module holding the blocks (the user's model), not the wrapper discovery started from."""
+    if not top.blocks or "." not in top.blocks:
+        return type(root).__name__
+    owner = paths.parent(top.blocks)
+    return f"{type(root.get_submodule(owner)).__name__} ({owner}, holding {top.blocks})"
 
 
 def _children(module: nn.Module) -> str:
@@ -145,7 +159,19 @@ def _projection(block: nn.Module, path: str, segments: tuple[int, ...] = ()) -> 
 
 
 def _attention_plan(block: nn.Module, where: str, hints: BlockHints, notes: list[str]) -> AttentionPlan:
-    separate = {n: getattr(hints, n) for n in ("q", "k", "v")}
+    if hints.kv and not hints.qkv:
+        # q on its own, k and v from one fused [k|v]: the same as separate q, k, v for every
+        # check below but the widths, which _head_layout reads from the fused projection.
+        if not hints.q:
+            raise _Unmappable(
+                f"the attention of block {where} has a fused kv={hints.kv} but no q projection "
+                f"(children of {paths.join(where, paths.parent(hints.kv))}: "
+                f"{_children(block.get_submodule(paths.parent(hints.kv)))})"
+            )
+        hints = replace(hints, k=None, v=None)
+        separate = {"q": hints.q, "kv": hints.kv}
+    else:
+        separate = {n: getattr(hints, n) for n in ("q", "k", "v")}
     if not hints.qkv and any(separate.values()) and not all(separate.values()):
         have = ", ".join(f"{n}={p}" for n, p in separate.items() if p)
         lack = ", ".join(n for n, p in separate.items() if not p)
@@ -157,7 +183,7 @@ def _attention_plan(block: nn.Module, where: str, hints: BlockHints, notes: list
         )
     if not (all(separate.values()) or hints.qkv):
         raise _Unmappable(f"no attention projections found in block {where} (children: {_children(block)})")
-    column = [hints.qkv] if hints.qkv else [hints.q, hints.k, hints.v]
+    column = [hints.qkv] if hints.qkv else [p for p in separate.values() if p]
     attention_path = hints.attention if hints.attention is not None else paths.common_parent(column)
     if hints.o is None:
         raise _Unmappable(
@@ -182,8 +208,9 @@ def _attention_plan(block: nn.Module, where: str, hints: BlockHints, notes: list
         path=attention_path,
         o=_projection(block, hints.o),
         q=_projection(block, hints.q) if not hints.qkv else None,
-        k=_projection(block, hints.k) if not hints.qkv else None,
-        v=_projection(block, hints.v) if not hints.qkv else None,
+        k=_projection(block, hints.k) if hints.k and not hints.qkv else None,
+        v=_projection(block, hints.v) if hints.v and not hints.qkv else None,
+        kv=_projection(block, hints.kv, layout.kv_segments) if hints.kv and not hints.qkv else None,
         qkv=_projection(block, hints.qkv, layout.segments) if hints.qkv else None,
         num_heads=layout.num_heads,
         num_kv_heads=layout.num_kv_heads,
@@ -200,6 +227,13 @@ def _width(block: nn.Module, path: str) -> int:
 def _head_layout(block: nn.Module, where: str, hints: BlockHints) -> HeadLayout:
     if hints.qkv:
         return _fused_layout(_width(block, hints.qkv), where, hints)
+    if hints.kv:
+        kv_width = _width(block, hints.kv)
+        if kv_width % 2:
+            raise _Unmappable(f"in block {where}, fused kv {hints.kv} has an odd number ({kv_width}) of output features")
+        return _separate_layout(
+            (_width(block, hints.q), kv_width // 2, kv_width // 2), where, replace(hints, k=hints.kv, v=hints.kv)
+        )
     return _separate_layout(
         (_width(block, hints.q), _width(block, hints.k), _width(block, hints.v)),
         where,

@@ -60,7 +60,7 @@ def _projection(name: str, p: Projection) -> str:
 
 
 def _attention_rows(a: AttentionPlan) -> list[str]:
-    named = [("qkv", a.qkv)] if a.qkv else [("q", a.q), ("k", a.k), ("v", a.v)]
+    named = [("qkv", a.qkv)] if a.qkv else [("q", a.q), ("k", a.k), ("v", a.v), ("kv", a.kv)]
     return [
         _row("attention", a.path or "(the block)"),
         _row("column", ", ".join(_projection(n, p) for n, p in named if p), 2),

@@ -19,6 +19,7 @@ from torch import nn
 
 from lightning_5d.plan import assemble, observe, paths, published, registry, structural
 from lightning_5d.plan import explicit as explicit_source
+from lightning_5d.plan.attention_probe import ObservedAttention, observe_attention
 from lightning_5d.plan.hints import BlockHints, Merged, TopHints, merge
 from lightning_5d.plan.model_plan import ModelPlan, PlanSource
 from lightning_5d.plan.patterns import (
@@ -43,6 +44,7 @@ _PART_LABELS = {
     "q": "attention projections",
     "k": "attention projections",
     "v": "attention projections",
+    "kv": "attention projections",
     "qkv": "attention projections",
     "o": "attention projections",
     "mlp": "MLP",
@@ -86,11 +88,58 @@ def discover(
     pattern_sources = _pattern_sources(module, explicit or {}, use)
     top = _merge_top(module, pattern_sources, use)
     blocks = _merge_blocks(module, top.hints, pattern_sources, use)
+    observed = _observe_attention(module, top.hints, blocks) if PlanSource.STRUCTURAL in use else {}
+    blocks = [_with_observed(b, observed.get(i)) for i, b in enumerate(blocks)]
     origins = [top.origin] + [b.origin for b in blocks]
     source = _primary_source(origins)
     notes = _notes(origins, source, pattern_sources)
+    if observed:
+        first = min(observed)
+        notes.append(
+            f"attention projections of {paths.join(top.hints.blocks, str(first))} (and alike) observed from "
+            f"the probe's attention call (q, k, v traced to the linears feeding them)"
+        )
     plan = assemble.build(module, top.hints, [b.hints for b in blocks], source, notes)
-    return observe.observe(module, plan)
+    return observe.observe(module, _mark_head_bias(plan, observed))
+
+
+def _incomplete(hints: BlockHints) -> bool:
+    """No projections feeding the attention call that a plan can use: no fused qkv, no q with
+    a fused kv, not all three of q, k, v."""
+    return not (hints.qkv or (hints.q and hints.kv) or (hints.q and hints.k and hints.v))
+
+
+def _observe_attention(module: nn.Module, top: TopHints, blocks: Sequence[Merged]) -> dict[int, ObservedAttention]:
+    """Watch the attention calls when names left a block's projections incomplete (one probe
+    forward for the whole model; only with real weights: a meta model cannot run)."""
+    if top.embedding is None or top.blocks is None or not any(_incomplete(b.hints) for b in blocks):
+        return {}
+    if any(p.is_meta for p in module.parameters()):
+        return {}
+    found = observe_attention(module, top.blocks, lambda: observe.run_on_ids(module, top.embedding, top.blocks))
+    return {i: o for i, o in found.items() if _incomplete(blocks[i].hints)}
+
+
+def _with_observed(block: Merged, observed: ObservedAttention | None) -> Merged:
+    """The block's parts with the observed attention projections where the others had none.
+    The observation replaces a partial attention the names gave (e.g. a q without k and v)."""
+    if observed is None:
+        return block
+    cleared = replace(block.hints, attention=None, q=None, k=None, v=None, kv=None, qkv=None, o=None)
+    origin = {k: s for k, s in block.origin.items() if k not in ("attention", "q", "k", "v", "kv", "qkv", "o")}
+    merged = merge([(PlanSource.STRUCTURAL, cleared), (PlanSource.STRUCTURAL, observed.hints)])
+    # The attention's pre-norm counts among the block's norms even inside the attention module:
+    # tensor parallelism must not read it as a norm over a projection's output width.
+    norms = tuple(dict.fromkeys([*block.hints.norms, *observed.hints.norms]))
+    return Merged(replace(merged.hints, norms=norms), {**merged.origin, **origin})
+
+
+def _mark_head_bias(plan: ModelPlan, observed: Mapping[int, ObservedAttention]) -> ModelPlan:
+    blocks = list(plan.block_plans)
+    for i, seen in observed.items():
+        if seen.per_head_bias and blocks[i].attention is not None:
+            blocks[i] = replace(blocks[i], attention=replace(blocks[i].attention, per_head_bias=True))
+    return replace(plan, block_plans=tuple(blocks))
 
 
 def _pattern_sources(

@@ -15,7 +15,7 @@ from lightning_5d.plan import paths
 
 # "heads": the einops / lucidrains spelling (rearrange(t, "b s (h d) -> b h s d", h=self.heads)).
 HEADS_NAMES = ("num_attention_heads", "num_heads", "n_heads", "n_head", "heads")
-KV_HEADS_NAMES = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+KV_HEADS_NAMES = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_heads")
 HEAD_DIM_NAMES = ("head_dim",)
 
 # Attributes an attention module may reshape with. When their value is a full head
@@ -30,6 +30,7 @@ HEAD_ATTRIBUTE_NAMES = (
     "num_key_value_heads",
     "num_kv_heads",
     "n_kv_heads",
+    "kv_heads",
     "split_size",
     "embed_dim",
     "hidden_size",

@@ -16,10 +16,10 @@ from lightning_5d.plan.model_plan import PlanSource
 # Parts that name modules (as opposed to head counts), for the "explicit wins" rule below.
 _TOP_PATH_FIELDS = ("embedding", "position_embedding", "blocks", "final_norm", "head")
 _BLOCK_PATH_FIELDS = (
-    "attention", "q", "k", "v", "qkv", "o", "mlp", "mlp_column", "mlp_row",
+    "attention", "q", "k", "v", "kv", "qkv", "o", "mlp", "mlp_column", "mlp_row",
     "moe", "router", "experts", "shared_experts", "shared_expert_gate", "norms",
 )  # fmt: skip
-_SEPARATE_QKV = ("q", "k", "v")
+_SEPARATE_QKV = ("q", "k", "v", "kv")
 
 
 @dataclass
@@ -41,6 +41,7 @@ class BlockHints:
     q: str | None = None
     k: str | None = None
     v: str | None = None
+    kv: str | None = None  # fused [k|v] beside a separate q
     qkv: str | None = None
     o: str | None = None
     mlp: str | None = None
@@ -130,6 +131,6 @@ def _one_qkv_layout(hints: BlockHints, origin: dict[str, PlanSource]) -> BlockHi
     if order.index(origin["qkv"]) <= min(order.index(s) for s in separate):
         for name in _SEPARATE_QKV:
             origin.pop(name, None)
-        return replace(hints, q=None, k=None, v=None)
+        return replace(hints, q=None, k=None, v=None, kv=None)
     origin.pop("qkv")
     return replace(hints, qkv=None)

@@ -84,6 +84,7 @@ class AttentionPlan:
     q: Projection | None = None
     k: Projection | None = None
     v: Projection | None = None
+    kv: Projection | None = None  # fused [k|v] beside q (then k, v are None); segments (KV*d, KV*d)
     qkv: Projection | None = None  # fused q|k|v (then q, k, v are None)
     num_heads: int = 0
     num_kv_heads: int = 0
@@ -96,10 +97,13 @@ class AttentionPlan:
     # view/reshape/split calls of the forward whose sizes hold a full head count or width
     # (``plan.shape_sites.ShapeSite``, observed at full size): tp replays them with local sizes.
     shape_sites: tuple = ()
+    # Observed: the attention call gets a float mask with a different bias per head (ALiBi
+    # slopes), built inside the model from the full head count.
+    per_head_bias: bool = False
 
     @property
     def column(self) -> tuple[Projection, ...]:
-        return tuple(p for p in (self.q, self.k, self.v, self.qkv) if p is not None)
+        return tuple(p for p in (self.q, self.k, self.v, self.kv, self.qkv) if p is not None)
 
     @property
     def packed(self) -> bool:
@@ -148,6 +152,28 @@ class BlockPlan:
     norms: tuple[str, ...] = ()  # norm modules directly in the block (not inside attention/MLP)
 
 
+class Phase(str, Enum):
+    """When in the forward a parameter outside every part is read (see plan.loose_params)."""
+
+    BEFORE = "before the first block"
+    AMONG = "among the blocks"
+    AFTER = "after the last block"
+
+
+@dataclass(frozen=True)
+class LooseParam:
+    """A parameter of no part (not embedding, blocks, final norm or head), e.g. a raw
+    ``nn.Parameter`` of learned positions on the model, and when the probe forward read it."""
+
+    name: str  # from the discovered module
+    phases: frozenset[Phase]
+
+    @property
+    def phase(self) -> Phase | None:
+        """The one phase it was read in (None: several, or never)."""
+        return next(iter(self.phases)) if len(self.phases) == 1 else None
+
+
 @dataclass(frozen=True)
 class ModelPlan:
     source: PlanSource
@@ -163,6 +189,9 @@ class ModelPlan:
     # Observed by the probe: whether the last token's output changes when the tokens before it
     # are reordered (False: no position information at all, NoPE; None: not observed).
     uses_positions: bool | None = None
+    # Observed by the probe: parameters of no part and when the forward read them (empty when
+    # there are none, or when the model could not run: meta weights, a forward not on ids).
+    loose_params: tuple[LooseParam, ...] = ()
     notes: tuple[str, ...] = field(default=())  # what the detector assumed, for describe()
 
     @property

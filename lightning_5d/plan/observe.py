@@ -32,7 +32,8 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_5d.plan import paths, shape_sites
-from lightning_5d.plan.model_plan import AttentionPlan, ColumnLayout, MLPPlan, ModelPlan, Projection
+from lightning_5d.plan.loose_params import loose_parameter_uses
+from lightning_5d.plan.model_plan import AttentionPlan, ColumnLayout, LooseParam, MLPPlan, ModelPlan, Projection
 
 PROBE_SHAPE = (2, 16)  # several positions: a causal mask leaves position 0's query little to depend on
 
@@ -50,7 +51,7 @@ def observe(root: nn.Module, plan: ModelPlan) -> ModelPlan:
     and whether the model uses token positions at all."""
     if any(p.is_meta for p in root.parameters()):
         return _noted(plan, "fused projection layouts not observed (weights on the meta device); assumed")
-    plan = replace(plan, uses_positions=_uses_positions(root, plan))
+    plan = replace(plan, uses_positions=_uses_positions(root, plan), loose_params=_loose_params(root, plan))
     with _eval(root):
         plan = shape_sites.observe_sites(root, plan, lambda shape: _run(root, plan, shape))
     targets = _targets(plan)
@@ -79,6 +80,20 @@ def observe(root: nn.Module, plan: ModelPlan) -> ModelPlan:
             notes.append(f"{where}.{mlp.column[0].path}: observed layout {_describe(layout)}")
             blocks[index] = replace(block, mlp=replace(mlp, column=(_with_layout(mlp.column[0], layout),)))
     return replace(plan, block_plans=tuple(blocks), notes=tuple(dict.fromkeys([*plan.notes, *_summary(notes)])))
+
+
+def _loose_params(root: nn.Module, plan: ModelPlan) -> tuple[LooseParam, ...]:
+    """Parameters outside the plan's parts, with the phases of the forward that read them."""
+    parts = [p for p in (plan.embedding, plan.position_embedding, plan.blocks, plan.final_norm, plan.head) if p]
+    loose = {
+        name: p for name, p in root.named_parameters() if not any(paths.is_within(name, part) for part in parts)
+    }
+    if not loose or not plan.block_plans:
+        return ()
+    uses = loose_parameter_uses(root, plan.blocks_of(root), loose, lambda: _run(root, plan))
+    if uses is None:
+        return ()
+    return tuple(LooseParam(name, uses.get(name, frozenset())) for name in loose)
 
 
 def _targets(plan: ModelPlan) -> dict[tuple[int, str], tuple[str, str]]:
@@ -200,12 +215,16 @@ def _first_tensor(out: object) -> Tensor | None:
 
 
 def _run(root: nn.Module, plan: ModelPlan, shape: tuple[int, int] = PROBE_SHAPE) -> bool:
+    return run_on_ids(root, plan.embedding, plan.blocks, shape)
+
+
+def run_on_ids(root: nn.Module, embedding: str, blocks: str, shape: tuple[int, int] = PROBE_SHAPE) -> bool:
     """Run the model on probe ids: the root, else each module on the way down to the blocks
     (a LightningModule without ``forward`` usually holds a model that has one)."""
-    weight = root.get_submodule(plan.embedding).weight
+    table = root.get_submodule(embedding)
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, plan.vocab_size, shape, generator=generator).to(weight.device)
-    parts = plan.blocks.split(".")
+    ids = torch.randint(0, table.num_embeddings, shape, generator=generator).to(table.weight.device)
+    parts = blocks.split(".")
     for depth in range(len(parts)):
         candidate = root.get_submodule(".".join(parts[:depth]))
         try:

@@ -56,6 +56,7 @@ BLOCK_FIELD = {
     Role.Q: "q",
     Role.K: "k",
     Role.V: "v",
+    Role.KV: "kv",
     Role.QKV: "qkv",
     Role.O: "o",
     Role.MLP: "mlp",

@@ -30,6 +30,7 @@ class Role(str, Enum):
     Q = "attention.q"
     K = "attention.k"
     V = "attention.v"
+    KV = "attention.kv"  # fused [k|v] beside a separate attention.q
     QKV = "attention.qkv"
     O = "attention.o"
     MLP = "mlp"
@@ -76,6 +77,7 @@ EXPECTS = {
     Role.Q: Expects.PROJECTION,
     Role.K: Expects.PROJECTION,
     Role.V: Expects.PROJECTION,
+    Role.KV: Expects.PROJECTION,
     Role.QKV: Expects.PROJECTION,
     Role.O: Expects.PROJECTION,
     Role.MLP_COLUMN: Expects.PROJECTION,

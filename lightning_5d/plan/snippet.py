@@ -46,6 +46,9 @@ def _attention_lines(top: TopHints, block: BlockHints) -> list[Line]:
     lines: list[Line] = [(_in_block(top, inside), f"attention({heads})", False)]
     if block.qkv:
         lines.append((_in_block(top, block.qkv), "attention.qkv", False))
+    elif block.kv:
+        q = block.q or paths.join(inside, "<q_proj>")
+        lines += [(_in_block(top, q), "attention.q", False), (_in_block(top, block.kv), "attention.kv", False)]
     else:
         for name in ("q", "k", "v"):
             path = getattr(block, name) or paths.join(inside, f"<{name}_proj>")

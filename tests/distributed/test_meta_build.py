@@ -33,6 +33,9 @@ EXTENDED = [
     (4, 3, 2, 2, "configure", ("--microbatches", "2")),  # tp x pp x ZeRO-3, built in configure_model
     (2, 1, 1, 1, "meta", ("--ep", "2", "--model", "tiny_moe")),
     (4, 3, 1, 2, "meta", ("--microbatches", "2")),  # pp x ZeRO-3: materialized before pp's FSDP2 lazy init
+    (8, 1, 2, 2, "meta", ("--sp", "--cp", "2", "--microbatches", "2")),  # tp+sp x cp x pp
+    # all five: dp2 x tp2 x cp2 x pp2 with ep2 over dp x cp, ZeRO-3
+    (16, 3, 2, 2, "meta", ("--cp", "2", "--ep", "2", "--model", "tiny_moe", "--microbatches", "2")),
 ]
 PARAMS = "nproc,zero,tp,pp,build,extra"
 

@@ -35,6 +35,8 @@ MODELS: dict[str, tuple[str, str]] = {
                        "down, q/k/v biases"),
     "nested_lists": ("zoo.nested_lists:build", "ModuleList of ModuleLists (for attn, ff in layers); fused "
                      "to_kv; ALiBi biases from a head count; norm inside the MLP Sequential"),
+    "nested_blocks": ("zoo.nested_blocks:build", "nested_lists as its pp and sp refusals advise: each [attn, ff] "
+                      "pair in a Block module with a forward"),
     "einops_style": ("zoo.einops_style:build", "einops: fused to_qkv .chunk(3), rearrange('b s (h d) -> b h s d', "
                      "h=self.heads), einsum attention with an explicit causal mask, learned positions"),
     "gpt_neox": ("zoo.hf_families:gpt_neox", "HF GPT-NeoX: fused query_key_value interleaved per head, "
@@ -49,7 +51,7 @@ MODELS: dict[str, tuple[str, str]] = {
 # name -> (query heads, key/value heads): what a user fills into a model_plan's attention(...)
 HEADS: dict[str, tuple[int, int]] = {
     "nanogpt": (4, 4), "plain_torch": (4, 4), "direct_lm": (4, 2), "moduledict_layers": (4, 4), "alternating": (4, 4),
-    "torch_encoder": (4, 4), "kwargs_forward": (4, 4), "nested_lists": (4, 2), "einops_style": (4, 4), "gpt_neox": (4, 4), "phi3": (4, 2),
+    "torch_encoder": (4, 4), "kwargs_forward": (4, 4), "nested_lists": (4, 2), "nested_blocks": (4, 2), "einops_style": (4, 4), "gpt_neox": (4, 4), "phi3": (4, 2),
     "olmo2": (4, 2), "qwen3": (4, 2), "gemma": (4, 2),
 }  # fmt: skip
 HUGGING_FACE = ("gpt_neox", "phi3", "olmo2", "qwen3", "gemma")

@@ -247,5 +247,16 @@ def route_attention(
                 f"{where} computes softmax(QKᵀ)V itself, which ring attention cannot replace; call "
                 f"F.scaled_dot_product_attention in its forward to use cp={cp.size}, or use cp=1."
             )
+        if att.per_head_bias:
+            # Seen by the discovery probe: ALiBi-style slopes times token distances, built inside
+            # the model. Ring attention takes no bias, and distances built from the shard's own
+            # length would be the shard's, not the sequence's.
+            raise ContextParallelError(
+                f"{where} passes a per-head attention bias (a float attn_mask with one slice per head, as ALiBi's "
+                f"slopes x token distances) to F.scaled_dot_product_attention; ring attention under cp={cp.size} "
+                f"applies causal attention itself and takes no bias, and distances built from the local length "
+                f"would be the shard's. Use cp=1 for this model (ZeRO, tp, sp, pp and FP8 run it), or a position "
+                f"encoding without an attention bias (RoPE from position_ids) to use cp."
+            )
         route_sdpa(cp, attention, where)
     return "F.scaled_dot_product_attention in each block's attention"

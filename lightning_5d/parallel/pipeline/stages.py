@@ -50,7 +50,7 @@ from lightning_5d.pipeline_shape import (
     local_stages,
     stage_ranks,
 )
-from lightning_5d.plan.model_plan import ModelPlan
+from lightning_5d.plan.model_plan import LooseParam, ModelPlan, Phase
 
 from .batch import (
     PipelineError,
@@ -108,11 +108,20 @@ class _Placeholder(nn.Module):
 class _StageModule(nn.Module):
     """What torch's PipelineStage runs: the stage's own parameters, and a forward that drives the user's step."""
 
-    def __init__(self, runtime: "PipelineParallel", spec: "StageSpec", parts: dict[str, nn.Module]) -> None:
+    def __init__(
+        self,
+        runtime: "PipelineParallel",
+        spec: "StageSpec",
+        parts: dict[str, nn.Module],
+        loose: dict[str, nn.Parameter] | None = None,
+    ) -> None:
         super().__init__()
         object.__setattr__(self, "_runtime", runtime)
         self.spec = spec
         self.parts = nn.ModuleDict({k.replace(".", "__"): m for k, m in parts.items()})
+        # Raw parameters the stage's part of the forward reads (learned positions on the model):
+        # held here too, so torch's stage scales their gradients like the others'.
+        self.loose = nn.ParameterDict({k.replace(".", "__"): p for k, p in (loose or {}).items()})
 
     def forward(self, x: Tensor) -> Tensor:
         return self._runtime.run_stage(self.spec, x)
@@ -196,6 +205,10 @@ class PipelineParallel:
         check_schedule(self.schedule, self.pp, self.v, self.microbatches)
         check_stage_count(plan.num_blocks, self.pp, self.v)
         _check_cuttable(module, plan)
+        first_loose, last_loose = _loose_by_stage(module, plan)
+        params = dict(module.named_parameters())
+        self._first_loose = {n: params[n] for n in first_loose}
+        self._last_loose = {n: params[n] for n in last_loose}
 
         self.num_stages = self.pp * self.v
         self.owner = stage_ranks(self.schedule, self.pp, self.v)
@@ -231,6 +244,8 @@ class PipelineParallel:
             if (path in self._first_params and first) or (path in self._last_params and last)
         }
         self.tied.hold_copy(self._real, self._placeholders, first, last)
+        self._stand_in_loose(self._first_loose if not first else {})
+        self._stand_in_loose(self._last_loose if not last else {})
         self._rest()
         self._first_block_arg = _first_argument_name(blocks[self.specs[0].blocks.start])
         del blocks
@@ -266,11 +281,25 @@ class PipelineParallel:
 
     def _make_stage_module(self, spec: StageSpec) -> _StageModule:
         parts: dict[str, nn.Module] = {f"block{i}": self._all_blocks[str(i)] for i in spec.blocks}
+        loose: dict[str, nn.Parameter] = {}
         if spec.is_first:
             parts.update({path: self._real[path] for path in self._first_params})
+            loose.update(self._first_loose)
         if spec.is_last:
             parts.update({path: self._real[path] for path in self._last_params})
-        return _StageModule(self, spec, parts)
+            loose.update(self._last_loose)
+        return _StageModule(self, spec, parts, loose)
+
+    def _stand_in_loose(self, names: dict[str, nn.Parameter]) -> None:
+        """On a rank without the stage that owns them, loose parameters become zeros of their
+        shape, not parameters: the forward still reads them before the first block (its result
+        is replaced by the received activation) or never reaches them, and they stay out of this
+        rank's optimizer, gradient norm and state dict (the owning stage's copy is the one)."""
+        for name, param in names.items():
+            owner_path, _, attr = name.rpartition(".")
+            owner = self.module.get_submodule(owner_path) if owner_path else self.module
+            delattr(owner, attr)
+            owner.register_buffer(attr, torch.zeros(param.shape, dtype=param.dtype, device=self.device), persistent=False)
 
     def _set(self, path: str, new: nn.Module) -> None:
         parent_path, _, name = path.rpartition(".")
@@ -625,12 +654,34 @@ def _check_cuttable(module: nn.Module, plan: ModelPlan) -> None:
             f"their own, so no pipeline stage boundary can be hooked between them. Give each block a module with a "
             f"forward (e.g. `class Block(nn.Module)` calling its attention and MLP), or use pp=1."
         )
+    _loose_by_stage(module, plan)
+
+
+def _loose_by_stage(module: nn.Module, plan: ModelPlan) -> tuple[list[str], list[str]]:
+    """Parameters outside the parts that the first / the last stage holds: those the probe saw
+    read only before the first block (with the embedding) / only after the last one (with the
+    head). Any other one is refused, with when it was read."""
     known = [plan.blocks, *(p for p in (plan.embedding, plan.position_embedding, plan.final_norm, plan.head) if p)]
     stray = [
         name for name, _ in module.named_parameters() if not any(name == k or name.startswith(k + ".") for k in known)
     ]
-    if stray:
+    observed = {p.name: p for p in plan.loose_params}
+    first = [n for n in stray if n in observed and observed[n].phase is Phase.BEFORE]
+    last = [n for n in stray if n in observed and observed[n].phase is Phase.AFTER]
+    left = [n for n in stray if n not in first + last]
+    if left:
         raise PipelineError(
-            f"parameters outside the blocks, embedding, final norm and head cannot be placed on a pipeline stage: "
-            f"{stray[:5]}. Move them into a block or into one of those parts, or name the parts in model_plan."
+            "parameters outside the blocks, embedding, final norm and head cannot be placed on a pipeline stage: "
+            f"{', '.join(_when_read(n, observed.get(n)) for n in left[:5])}. A pipeline stage holds whole blocks, "
+            f"and the first stage also what the forward reads before the first block, the last stage what it reads "
+            f"after the last block; move each of these into a block (or into the embedding / head module), or use pp=1."
         )
+    return first, last
+
+
+def _when_read(name: str, loose: LooseParam | None) -> str:
+    if loose is None:
+        return f"{name} (not observed: the probe forward did not run)"
+    if not loose.phases:
+        return f"{name} (never read by the probe forward)"
+    return f"{name} (read {' and '.join(p.value for p in Phase if p in loose.phases)})"

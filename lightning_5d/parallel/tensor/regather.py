@@ -91,6 +91,8 @@ class RegatherRegion:
         self._stack.append(hooks)
 
     def exit(self) -> None:
+        if not self._stack:  # the region's f* raised before entering: nothing to leave
+            return
         hooks = self._stack.pop()
         if hooks is not None:
             hooks.__exit__(None, None, None)

@@ -42,6 +42,7 @@ from lightning_5d.materialize.apply import placement_device
 from lightning_5d.config import LayoutError
 from lightning_5d.parallel.tensor import ops as tensor_ops
 from lightning_5d.parallel.tensor.local_shapes import localize_shapes
+from lightning_5d.parallel.tensor.head_bias import wrap_per_head_bias
 from lightning_5d.parallel.tensor.regather import RegatherRegion
 from lightning_5d.parallel.tensor.vocab import vocab_parallel_forward, vocab_range
 from lightning_5d.parallel.tensor.width_norm import distributed_rms_forward, find_width_norms
@@ -241,6 +242,37 @@ def _localize_config(attention: nn.Module, num_heads: int, num_kv_heads: int, tp
         attention.config = _LocalHeads(config, local)
 
 
+def _check_block_forwards(plan: ModelPlan, root: nn.Module, tp: int) -> None:
+    """Sequence parallelism scatters the residual stream at the first block's input and gathers
+    it at the last block's output, both hooks on the block's forward. A block that is a list the
+    model iterates (``for attn, ff in self.layers``) has no forward, so neither would run."""
+    blocks = plan.blocks_of(root)
+    bare = [i for i, b in enumerate(blocks) if isinstance(b, (nn.ModuleList, nn.ModuleDict))]
+    if bare:
+        raise TensorParallelError(
+            f"sequence parallelism (tp={tp}) cuts the sequence at the input of the first block and joins it at the "
+            f"output of the last, but the blocks of {plan.blocks} are {type(blocks[bare[0]]).__name__}s with no "
+            f"forward of their own, so neither point can be hooked. Give each block a module with a forward (e.g. "
+            f"`class Block(nn.Module)` calling its attention and MLP), or use sequence_parallel=false (tp alone "
+            f"runs this model)."
+        )
+
+
+def _before_columns(block: nn.Module, mlp) -> list[str]:
+    """Parameters of the MLP's own layers registered before its first column projection (the
+    norm an ``nn.Sequential(norm, up, act, down)`` starts with): their output feeds only the
+    rank's column shard, so their gradient is this rank's part of the sum over tp."""
+    columns = {p.path for p in mlp.column}
+    found = []
+    for path, module in block.named_modules():
+        if path in columns:
+            break
+        if path == mlp.path or not path.startswith(mlp.path + "."):
+            continue
+        found += [paths.join(path, n) for n, _ in module.named_parameters(recurse=False)]
+    return found
+
+
 class TensorParallel:
     """Applies TP/SP to ``root`` following ``plan``; keeps what checkpoints and clipping need."""
 
@@ -253,6 +285,8 @@ class TensorParallel:
         self.sequence_parallel = sequence_parallel
         self.device = placement_device(root, tp_mesh.device_type)  # real even for a meta-built model
         validate_tensor_parallel(plan, root, self.size)
+        if sequence_parallel:
+            _check_block_forwards(plan, root, self.size)
         # Parameter names (every alias of a tied parameter) -> how that parameter was cut.
         self.shards: dict[str, TensorShard] = {}
         # Names of replicated parameters used only on a sequence shard: their gradients are
@@ -309,7 +343,11 @@ class TensorParallel:
                 return gathered
 
             fn = gather
-            self._hooks.append(module.register_forward_hook(lambda *_: region.exit()))
+            # always_call: a forward that raises (the plan verifier's probe of a model that
+            # cannot run under tp) must not leave the region's saved-tensor hooks entered; a
+            # later step's tensor allocated at the old gathered address would be packed against
+            # this dead region and re-gathered on one rank only (a hang, seen in a long launch).
+            self._hooks.append(module.register_forward_hook(lambda *_: region.exit(), always_call=True))
         else:
             fn = lambda x: tensor_ops.copy_to_tp(x, self.group)  # noqa: E731
         self._hooks.append(
@@ -324,15 +362,19 @@ class TensorParallel:
             block = root.get_submodule(plan.block_path(i))
             att = block_plan.attention
             if att is not None:  # None: a feed-forward entry of an alternating block list
+                attention = block.get_submodule(att.path)
+                full_widths = {block.get_submodule(p.path): _out_features(block.get_submodule(p.path), p) for p in att.column}
+                full_attributes = {attr: getattr(attention, attr) for attr in att.head_attributes}
                 for p in att.column:
                     self._column(block, p)
                 self._row(block, att.o)
-                attention = block.get_submodule(att.path)
                 for attr in att.head_attributes:
                     setattr(attention, attr, getattr(attention, attr) // self.size)
                 _localize_config(attention, att.num_heads, att.num_kv_heads, self.size)
                 localize_shapes(attention, att.shape_sites, self.size)
-                self._width_norms(block, plan.block_path(i), att)
+                if att.per_head_bias:
+                    wrap_per_head_bias(attention, full_attributes, full_widths, att.num_heads, self.rank, self.size)
+                self._width_norms(block, plan.block_path(i), att, block_plan.norms)
                 self._enter_region(attention, f"{plan.block_path(i)}.{att.path}")
             if block_plan.mlp is not None:
                 for p in block_plan.mlp.column:
@@ -366,11 +408,11 @@ class TensorParallel:
         self._replaced.clear()
         self._cut_of.clear()
 
-    def _width_norms(self, block: nn.Module, prefix: str, att) -> None:
+    def _width_norms(self, block: nn.Module, prefix: str, att, pre_norms: tuple[str, ...]) -> None:
         """Norms over a q/k projection's full width: cut like its columns, statistics summed over tp."""
         head_dim = att.head_dim or 0
         widths = {att.num_heads * head_dim, (att.num_kv_heads or att.num_heads) * head_dim} - {0}
-        for norm in find_width_norms(block, att.path, widths, head_dim):
+        for norm in find_width_norms(block, att.path, widths, head_dim, pre_norms):
             module = block.get_submodule(norm.path)
             if norm.eps is None:
                 raise TensorParallelError(
@@ -397,15 +439,18 @@ class TensorParallel:
         """Parameters inside the attention region that tp did not cut, other than the output
         projection's bias: a q/k norm applied per head (Qwen3, Gemma 3) sees only this rank's
         heads, so its gradient is this rank's part of the sum over tp, as SP's norm weights are.
-        (Not the MLP region: an MoE there stays replicated and sees the whole input.)"""
-        if block_plan.attention is None:
-            return
-        inside = block_plan.attention.path
-        rows = [p.path for p in block_plan.attention.row]
-        for name, param in block.named_parameters():
-            in_region = name.startswith(inside + ".")
-            row_bias = any(name == f"{path}.bias" for path in rows)
-            if in_region and not row_bias and id(param) not in self._cut_of:
+        In the MLP region only the layers before its first column projection (a norm inside an
+        ``nn.Sequential`` MLP); an MoE there stays replicated and sees the whole input."""
+        if block_plan.attention is not None:
+            inside = block_plan.attention.path
+            rows = [p.path for p in block_plan.attention.row]
+            for name, param in block.named_parameters():
+                in_region = name.startswith(inside + ".")
+                row_bias = any(name == f"{path}.bias" for path in rows)
+                if in_region and not row_bias and id(param) not in self._cut_of:
+                    self.sequence_partial.add(f"{prefix}.{name}")
+        if block_plan.mlp is not None:
+            for name in _before_columns(block, block_plan.mlp):
                 self.sequence_partial.add(f"{prefix}.{name}")
 
     @property

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_5d.parallel.tensor import ops as tensor_ops
+from lightning_5d.plan import paths
 
 _EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
 
@@ -74,13 +75,21 @@ def _is_rms_norm(module: nn.Module, eps: float | None) -> bool:
     return isinstance(got, Tensor) and got.shape == want.shape and bool(torch.allclose(got.float(), want, rtol=1e-5, atol=1e-6))
 
 
-def find_width_norms(block: nn.Module, attention_path: str, widths: set[int], head_dim: int) -> list[WidthNorm]:
-    """The width norms inside ``block``'s attention module (``widths``: full q and k widths)."""
+def find_width_norms(
+    block: nn.Module, attention_path: str, widths: set[int], head_dim: int, pre_norms: tuple[str, ...] = ()
+) -> list[WidthNorm]:
+    """The width norms inside ``block``'s attention module (``widths``: full q and k widths).
+
+    ``pre_norms``: the block's norms (paths relative to the block) on the attention's or
+    MLP's input; one held inside the attention module normalizes the hidden state, which tp
+    leaves whole, even when the hidden size equals the q width."""
     attention = block.get_submodule(attention_path)
     found = []
     for name, module in attention.named_modules():
         weight = getattr(module, "weight", None)
         if not name or list(module.children()) or not isinstance(weight, Tensor) or weight.dim() != 1:
+            continue
+        if paths.join(attention_path, name) in pre_norms:
             continue
         if weight.numel() == head_dim or weight.numel() not in widths:
             continue

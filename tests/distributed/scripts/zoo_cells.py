@@ -67,12 +67,15 @@ class Watchdog:
 
 def meet_peers() -> None:
     """Go on to the next cell only if every rank got here and nothing of this cell is left active
-    (a rank still inside a collective, or a torch function mode left entered by a forward that
-    raised, ends the processes; the driver starts afresh)."""
+    (a rank still inside a collective, or a torch function mode or saved-tensor hooks left
+    entered by a forward that raised, ends the processes; the driver starts afresh)."""
     _EXIT.failed = False
     try:
         if torch._C._len_torch_function_stack() > 0:
             raise RuntimeError("a torch function mode is still active")
+        if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+            # Left entered by a forward that raised: it would pack the next cell's tensors.
+            raise RuntimeError("saved-tensor hooks are still active")
         dist.monitored_barrier(timeout=timedelta(seconds=30))
     except Exception as error:
         print(f"rank {RANK}: leaving after the cell ({error})", file=sys.stderr, flush=True)
