@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from collections.abc import Mapping
 
 from torch import nn
@@ -65,8 +67,17 @@ def _attention_rows(a: AttentionPlan) -> list[str]:
         _row("row", _projection("o", a.o), 2),
         _row("heads", f"{a.num_heads} (kv {a.num_kv_heads}, head_dim {a.head_dim})" if a.num_heads else "unknown", 2),
         _row("head attributes", ", ".join(a.head_attributes) or "-", 2),
+        _row("width reshapes", _sites(a.shape_sites), 2),
         _row("kernel", a.kernel.value, 2),
     ]
+
+
+def _sites(sites: tuple) -> str:
+    """The attention forward's reshapes with a full head count or width (tp gives them local sizes)."""
+    if not sites:
+        return "-"
+    lines = dict.fromkeys(f"{os.path.basename(s.key[0])}:{s.key[1]} {s.op}" for s in sites)
+    return ", ".join(lines)
 
 
 def _block_rows(block: BlockPlan) -> list[str]:

@@ -96,6 +96,9 @@ class AttentionPlan:
     # because the module reshapes with them ("layer rewriting").
     head_attributes: tuple[str, ...] = ()
     kernel: AttentionKernel = AttentionKernel.UNKNOWN
+    # view/reshape/split calls of the forward whose sizes hold a full head count or width
+    # (``plan.shape_sites.ShapeSite``, observed at full size): tp replays them with local sizes.
+    shape_sites: tuple = ()
     # Observed: the attention call gets a float mask with a different bias per head (ALiBi
     # slopes), built inside the model from the full head count.
     per_head_bias: bool = False

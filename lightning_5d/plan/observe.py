@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
-from lightning_5d.plan import paths
+from lightning_5d.plan import paths, shape_sites
 from lightning_5d.plan.loose_params import loose_parameter_uses
 from lightning_5d.plan.model_plan import AttentionPlan, ColumnLayout, LooseParam, MLPPlan, ModelPlan, Projection
 from lightning_5d.plan.position_reads import observe_reads, takes_position_ids
@@ -54,6 +54,8 @@ def observe(root: nn.Module, plan: ModelPlan) -> ModelPlan:
         return _noted(plan, "fused projection layouts not observed (weights on the meta device); assumed")
     plan = _observe_positions(root, plan)
     plan = replace(plan, loose_params=_loose_params(root, plan))
+    with _eval(root):
+        plan = shape_sites.observe_sites(root, plan, lambda shape: _run(root, plan, shape))
     targets = _targets(plan)
     if not targets:
         return plan
@@ -226,16 +228,16 @@ def _first_tensor(out: object) -> Tensor | None:
     return next((t for t in map(_first_tensor, values) if t is not None), None)
 
 
-def _run(root: nn.Module, plan: ModelPlan) -> bool:
-    return run_on_ids(root, plan.embedding, plan.blocks)
+def _run(root: nn.Module, plan: ModelPlan, shape: tuple[int, int] = PROBE_SHAPE) -> bool:
+    return run_on_ids(root, plan.embedding, plan.blocks, shape)
 
 
-def run_on_ids(root: nn.Module, embedding: str, blocks: str) -> bool:
+def run_on_ids(root: nn.Module, embedding: str, blocks: str, shape: tuple[int, int] = PROBE_SHAPE) -> bool:
     """Run the model on probe ids: the root, else each module on the way down to the blocks
     (a LightningModule without ``forward`` usually holds a model that has one)."""
     table = root.get_submodule(embedding)
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, table.num_embeddings, PROBE_SHAPE, generator=generator).to(table.weight.device)
+    ids = torch.randint(0, table.num_embeddings, shape, generator=generator).to(table.weight.device)
     parts = blocks.split(".")
     for depth in range(len(parts)):
         candidate = root.get_submodule(".".join(parts[:depth]))

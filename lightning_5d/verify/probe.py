@@ -9,14 +9,17 @@ recorded too, so a wrong block can be narrowed down to the output that first goe
 
 The probe is random token ids ``[rows, S]`` drawn from a fixed seed, the same on every
 rank; the model is called as ``module(input_ids)`` (the LightningModule's ``forward``, or,
-when it has none, the forward of the module that holds the embedding, blocks and head).
+when it has none, the forward of the module that holds the embedding, blocks and head, or,
+when the LightningModule holds those itself, each of them in turn: :func:`_piece_chain`).
 Under cp the batch is cut by the strategy's own :class:`ContextParallel` first; under pp it
 runs through the pipeline's forward-only path, each stage recording its own pieces.
 """
 
 from __future__ import annotations
 
-import functools
+import linecache
+import os
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -24,7 +27,6 @@ import torch
 from torch import Tensor, nn
 
 from lightning_5d.plan.model_plan import ModelPlan
-from lightning_5d.plan.observe import run_chain
 from lightning_5d.verify.skeleton import Piece, PieceKind
 
 PROBE_SEED = 1234  # any fixed value: every rank must draw the same ids
@@ -147,22 +149,22 @@ def _backbone_path(plan: ModelPlan | None) -> str:
 
 def probe_call(module: nn.Module, plan: ModelPlan | None) -> Callable[[Tensor], Any] | None:
     """How to run the model on token ids: the LightningModule's own ``forward`` if it has one,
-    else the backbone's (a Hugging Face ``*ForCausalLM`` held as an attribute). The call always
-    goes through the LightningModule, whose hooks (FSDP2's unshard of the root's parameters)
-    must fire. None when neither exists."""
+    else the backbone's (a Hugging Face ``*ForCausalLM`` held as an attribute), else, when the
+    LightningModule holds the pieces itself and only its ``training_step`` runs them, the
+    pieces in the plan's order (:func:`_piece_chain`). The call always goes through the
+    LightningModule, whose hooks (FSDP2's unshard of the root's parameters) must fire. None
+    without a plan to chain."""
     from lightning.pytorch import LightningModule
 
     if type(module).forward is not LightningModule.forward:
         return _token_call(module)
     path = _backbone_path(plan)
-    if not path and plan is not None and plan.chain_assumed:
-        # No forward anywhere (parameters on the LightningModule): the chain discovery ran, which
-        # context parallelism checks each step's calls follow; the pieces are compared either way.
-        backbone = functools.partial(run_chain, module, plan)
-    elif not path:
-        return None
-    else:
+    if path:
         backbone = _token_call(module.get_submodule(path))
+    elif plan is not None and plan.blocks:
+        backbone = _piece_chain(module, plan)
+    else:
+        return None
 
     def call(ids: Tensor) -> Any:
         module.forward = lambda input_ids: backbone(input_ids)  # only for this call: an instance attribute
@@ -172,6 +174,32 @@ def probe_call(module: nn.Module, plan: ModelPlan | None) -> Callable[[Tensor], 
             del module.forward
 
     return call
+
+
+def _piece_chain(root: nn.Module, plan: ModelPlan) -> Callable[[Tensor], Any]:
+    """``head(final_norm(blocks(embedding(ids) [+ positions])))``, each module called by itself.
+
+    For a LightningModule that holds the embedding, blocks and head itself and has no
+    ``forward`` (its ``training_step`` runs them): the check compares each piece's output with
+    the unparallelized piece's output *on the input the piece received*, so the pieces only
+    need realistic inputs, not the user's exact step (anything the step does between them, a
+    scaling or a mask, is not part of any piece). A block that needs more than the hidden
+    states fails here and the check says so. The modules are looked up at call time: under pp
+    a stage holds placeholders for the pieces of other stages, whose hooks inject and stop."""
+
+    def chain(ids: Tensor) -> Any:
+        x = root.get_submodule(plan.embedding)(ids)
+        if plan.position_embedding:
+            positions = torch.arange(ids.size(1), device=ids.device)
+            x = x + root.get_submodule(plan.position_embedding)(positions)
+        for block in root.get_submodule(plan.blocks).children():
+            out = block(x)
+            x = out[0] if isinstance(out, (tuple, list)) else out
+        if plan.final_norm:
+            x = root.get_submodule(plan.final_norm)(x)
+        return root.get_submodule(plan.head)(x) if plan.head else x
+
+    return chain
 
 
 def _token_call(module: nn.Module) -> Callable[[Tensor], Any]:
@@ -207,11 +235,26 @@ def run_probe(
             ) from err
         raise ProbeError(
             f"the plan verifier could not run {type(module).__name__} on probe token ids of shape "
-            f"{tuple(batch['input_ids'].shape)}: {type(err).__name__}: {err}. The check calls the LightningModule's "
-            f"forward with token ids (or, without one, the forward of the module holding the embedding, blocks and "
-            f"head); give the LightningModule a `forward(input_ids)` that runs the model, or pass "
+            f"{tuple(batch['input_ids'].shape)}: {type(err).__name__}: {err}{_model_line(err)}. The check calls the "
+            f"LightningModule's forward with token ids (or, without one, the forward of the module holding the "
+            f"embedding, blocks and head, or else the embedding, each block, the final norm and the head in turn); "
+            f"give the LightningModule a `forward(input_ids)` that runs the model, or pass "
             f"FiveDStrategy(verify='off') (l5d train: parallel.verify=off) to train without the check."
         ) from err
+
+
+def _model_line(err: Exception) -> str:
+    """`` (at file:line: code)`` of the innermost frame of the model's own code (not torch's, not
+    ours), so the message names the line that failed; empty when there is none."""
+    ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    torch_dir = os.path.dirname(torch.__file__)
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if not (f.filename.startswith(ours) or f.filename.startswith(torch_dir))]  # fmt: skip
+    if not frames:
+        return ""
+    last = frames[-1]
+    code = (last.line or linecache.getline(last.filename, last.lineno)).strip()
+    return f" (at {os.path.basename(last.filename)}:{last.lineno}: `{code}`)"
 
 
 def _mixed_dtype_hint(module: nn.Module, err: Exception) -> str:

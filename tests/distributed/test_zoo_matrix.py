@@ -12,7 +12,7 @@ import pytest
 
 from zoo_matrix import BY_ID, outcome_of, run_cells
 
-# Seven models of seven styles under five layouts, each passing today, all on 2 processes (one launch):
+# Eight models of eight styles under five layouts, each passing today, all on 2 processes (one launch):
 FAST = [
     "kwargs_forward__tp2psp",  # hand-written, keyword-only forwards, q/k/v biases: tp + sequence parallelism
     "phi3__cp2",  # Hugging Face Phi-3 (fused qkv_proj and gate_up_proj): context parallelism
@@ -20,10 +20,20 @@ FAST = [
     "olmo2__pp2",  # Hugging Face OLMo-2 (full-width q/k norms, post-norms): pipeline parallelism
     "olmo2__tp2",  # the same under tp: the full-width q/k norms as tp-distributed RMSNorms
     "gemma__pp2",  # Hugging Face Gemma (tied embeddings: a copy on each end, gradients summed): pp
+    "nanogpt__tp2psp",  # nanoGPT's split(n_embd) / view(B, T, C) replayed with the rank's widths: tp + SP
     # q / fused [k|v] traced from the attention call, ALiBi rebuilt per rank, the MLP's inner norm: tp
     "nested_lists__tp2",
     "direct_lm__cp2",  # no position encoding, parameters on the LightningModule: cp needs no positions
 ]
+# Cells that were refused and now train equal to one process (on demand, `-m extended`):
+FIXED = [
+    "nanogpt__tp2",  # split(self.n_embd) / view(B, T, C) of the full input width, replayed with local sizes
+    "nanogpt__tp2xpp2",
+    "direct_lm__pp2",  # no forward: pp runs training_step, the verifier runs the pieces in turn
+    "direct_lm__fp8",
+]
+# Refusals whose model_plan advice the runner follows: the cell is refused, the advice trains.
+MODEL_PLAN_ADVICE = ["direct_lm__tp2", "direct_lm__tp2psp", "direct_lm__tp2xpp2", "plain_torch__tp2"]
 
 # What issue 22's nested_lists / moduledict_layers work settled (on demand): these train equal to one
 # process, and these are refused with advice that the variant nested_blocks follows (a Block module
@@ -99,6 +109,26 @@ def test_nested_and_loose_parameter_cells(zoo_run, cell_id):
         assert zoo_run(follower)["status"] == "pass", describe(zoo_run(follower))
 
 
+@pytest.mark.distributed
+@pytest.mark.extended
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("cell_id", FIXED)
+def test_zoo_cell_that_was_refused_now_passes(zoo_run, cell_id):
+    outcome = zoo_run(cell_id)
+    assert outcome["status"] == "pass", describe(outcome)
+
+
+@pytest.mark.distributed
+@pytest.mark.extended
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("cell_id", MODEL_PLAN_ADVICE)
+def test_zoo_refusal_advice_trains(zoo_run, cell_id):
+    outcome = zoo_run(cell_id)
+    assert outcome["status"] == "refused", describe(outcome)
+    advice = outcome.get("advice") or {}
+    assert advice.get("status") == "pass", f"{describe(outcome)}\nadvice: {advice}"
+
+
 # ------------------------------------------------------------------ the runner's own logic (no processes)
 
 SNIPPET = """Cannot map Positional for parallelism: no head count for attention model.blocks.0.attn.
@@ -125,6 +155,18 @@ def test_advice_plan_fills_the_head_counts_and_leaves_out_optional_lines():
     }
     assert advice_plan(SNIPPET.replace("model.head", "<head>"), [4, 2])["<head>"] == "head"  # kept: not tried
     assert advice_plan("no head count for attention blocks.0", [4, 4]) is None
+
+
+def test_advice_plan_reads_an_inline_model_plan_and_adds_kv_heads_for_grouped_query_attention():
+    from zoo_matrix import advice_plan
+
+    message = (
+        "tp=2 splits attention by heads, but no head count is known for blocks.0.attention (...). Give it in the "
+        "strategy's model_plan, e.g. model_plan={'blocks.*.attention': 'attention(heads=<N>)'} (add kv_heads=<K> "
+        "for grouped-query attention), or use tp=1."
+    )
+    assert advice_plan(message, [4, 2]) == {"blocks.*.attention": "attention(heads=4, kv_heads=2)"}
+    assert advice_plan(message, [4, 4]) == {"blocks.*.attention": "attention(heads=4)"}
 
 
 def test_refusals_are_lightning_5d_errors_and_crashes_name_the_inner_error():

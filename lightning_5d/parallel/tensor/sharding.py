@@ -19,7 +19,8 @@ The module is changed in place and keeps its classes and parameter names: column
 row linears get smaller ``weight``/``bias`` Parameters and matching ``in_features`` /
 ``out_features`` (``nx``/``nf`` for GPT-2's Conv1D); row linears and the embedding get a
 forward that adds their collective; attention attributes holding a full head count
-(``ModelPlan``'s ``head_attributes``) are divided by tp. Parameters are plain local
+(``ModelPlan``'s ``head_attributes``) are divided by tp, and reshapes the forward makes with a
+full width read elsewhere (nanoGPT's ``view(B, T, C)``) get local sizes (``local_shapes``). Parameters are plain local
 tensors, so ZeRO-1/2 and FSDP2 over the data ranks compose without knowing about TP;
 :class:`TensorShard` records how each was cut, to rebuild full tensors for checkpoints.
 """
@@ -40,6 +41,7 @@ from lightning_5d.parallel.regions import Region, chunk_ranges
 from lightning_5d.materialize.apply import placement_device
 from lightning_5d.config import LayoutError
 from lightning_5d.parallel.tensor import ops as tensor_ops
+from lightning_5d.parallel.tensor.local_shapes import localize_shapes
 from lightning_5d.parallel.tensor.head_bias import wrap_per_head_bias
 from lightning_5d.parallel.tensor.regather import RegatherRegion
 from lightning_5d.parallel.tensor.vocab import vocab_parallel_forward, vocab_range
@@ -369,6 +371,7 @@ class TensorParallel:
                 for attr in att.head_attributes:
                     setattr(attention, attr, getattr(attention, attr) // self.size)
                 _localize_config(attention, att.num_heads, att.num_kv_heads, self.size)
+                localize_shapes(attention, att.shape_sites, self.size)
                 if att.per_head_bias:
                     wrap_per_head_bias(attention, full_attributes, full_widths, att.num_heads, self.rank, self.size)
                 self._width_norms(block, plan.block_path(i), att, block_plan.norms)

@@ -23,6 +23,7 @@ and the next cell starts a new one, so a crash costs one process start.
 from __future__ import annotations
 
 import argparse
+import ast
 import functools
 import json
 import re
@@ -130,7 +131,7 @@ def advice_plan(message: str, heads: list[int]) -> dict | None:
     """
     message = message.replace("<num_heads>", str(heads[0])).replace("<num_kv_heads>", str(heads[1]))
     if "model_plan:" not in message:
-        return None
+        return _inline_advice(message, heads)
     plan = {}
     for line in message.split("model_plan:", 1)[1].splitlines()[1:]:
         match = re.match(r'^\s+"([^"]+)":\s*(.+?)\s*$', line)
@@ -140,6 +141,20 @@ def advice_plan(message: str, heads: list[int]) -> dict | None:
             break
         plan[match.group(1)] = match.group(2)
     return plan or None
+
+
+def _inline_advice(message: str, heads: list[int]) -> dict | None:
+    """A ``model_plan={...}`` dict written inline (tp's missing head count), with ``<N>`` filled
+    in and, for grouped-query attention, ``kv_heads=<K>`` added as the message says to."""
+    match = re.search(r"model_plan=(\{[^{}]*\})", message)
+    if match is None:
+        return None
+    try:
+        plan = ast.literal_eval(match.group(1))
+    except (ValueError, SyntaxError):
+        return None
+    kv = f", kv_heads={heads[1]}" if heads[1] != heads[0] and "kv_heads=<K>" in message else ""
+    return {k: v.replace("heads=<N>)", f"heads={heads[0]}{kv})") for k, v in plan.items()}
 
 
 # ---------------------------------------------------------------------------------- running
