@@ -249,6 +249,14 @@ class _Watch(TorchFunctionMode):
         return out
 
 
+# Reads of a table's metadata, not its values: a length check (``pe.size(0)``) is no use of the rows.
+_METADATA = (
+    Tensor.size, Tensor.dim, Tensor.numel, Tensor.is_floating_point, Tensor.__len__,
+    Tensor.shape.__get__, Tensor.ndim.__get__, Tensor.dtype.__get__, Tensor.device.__get__,  # type: ignore[attr-defined]
+    Tensor.requires_grad.__get__, Tensor.is_cuda.__get__,  # type: ignore[attr-defined]
+)
+
+
 def _metadata(func: Any) -> bool:
     return any(func == m for m in _METADATA)
 

@@ -65,7 +65,7 @@ class LM(nn.Module):
             self.wpe = nn.Embedding(MAX_LEN, HIDDEN)
         if positions == "parameter":
             self.table = nn.Parameter(torch.randn(1, MAX_LEN, HIDDEN))
-        if positions == "buffer":
+        if positions in ("buffer", "checked_buffer"):
             self.register_buffer("pe", torch.randn(MAX_LEN, HIDDEN))
         self.layers = nn.ModuleList(Block(**attention) for _ in range(2))
         self.norm = nn.LayerNorm(HIDDEN)
@@ -79,6 +79,9 @@ class LM(nn.Module):
         elif self.positions == "parameter":
             x = x + self.table[:, :n]
         elif self.positions == "buffer":
+            x = x + self.pe[:n]
+        elif self.positions == "checked_buffer":  # a length check reads the table's size, not its rows
+            assert n <= self.pe.size(0) and self.pe.dim() == 2
             x = x + self.pe[:n]
         elif self.positions == "linspace":  # positions without arange or a held tensor
             x = x + torch.linspace(0, 1, n)[:, None].sin()
@@ -98,6 +101,7 @@ class LM(nn.Module):
         ("arange_embedding", (PositionRead(PositionReadKind.ARANGE_EMBEDDING, "wpe"),)),
         ("parameter", (PositionRead(PositionReadKind.TABLE_SLICE, "", "table", 1),)),
         ("buffer", (PositionRead(PositionReadKind.TABLE_SLICE, "", "pe", 0),)),
+        ("checked_buffer", (PositionRead(PositionReadKind.TABLE_SLICE, "", "pe", 0),)),
     ],
 )
 def test_each_kind_of_read_is_found(positions, expected):
