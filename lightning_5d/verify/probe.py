@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
+from lightning_5d.config import LayoutError
 from lightning_5d.plan.model_plan import ModelPlan
 from lightning_5d.verify.skeleton import Piece, PieceKind
 
@@ -191,6 +192,10 @@ def run_probe(
             forward(batch)
     except ProbeError:
         raise
+    except LayoutError as err:  # a refusal of ours met at run time: its own advice, not the probe's
+        raise ProbeError(
+            f"the plan verifier's probe forward of {type(module).__name__} stopped on a refusal: {err}"
+        ) from err
     except Exception as err:
         hint = _mixed_dtype_hint(module, err)
         if hint:

@@ -5,7 +5,8 @@ Cases (``--case``): ``seq_first_padding`` (batch_first=False, post-norm, a bool 
 key_padding_mask that hides the last tokens of one sequence) and ``batch_first_causal`` (the zoo
 model's shape: batch_first, pre-norm, a float causal mask with is_causal=True). Every rank builds
 the full model from one seed, runs it unsharded (the reference), then cuts it with
-``TensorParallel`` and compares the loss and every gathered gradient. Rank 0 writes result.json.
+``TensorParallel`` and compares the loss and every gathered gradient, and the state dict gathered
+from the shards (and cut again) with the full one. Rank 0 writes result.json.
 """
 
 import argparse
@@ -75,14 +76,23 @@ ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_s
 padding = None if batch_first else torch.tensor([[False] * SEQ, [False] * (SEQ - 3) + [True] * 3])
 ref_loss, ref_grads = loss_and_grads(model, ids, padding)
 
+full_state = {k: v.clone() for k, v in model.state_dict().items()}
 mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
 tp = TensorParallel(model, discover(model), mesh["tp"], sequence_parallel=args.sp)
+# Checkpoints: the names stay; the shards gather back to the full tensors and cut again from them.
+local_state = model.state_dict()
+gathered = tp.full_state(local_state)
+state_round_trip = gathered.keys() == full_state.keys()
+state_round_trip = state_round_trip and all(torch.equal(gathered[k], full_state[k]) for k in full_state)
+recut = tp.local_state(full_state)
+state_round_trip = state_round_trip and all(torch.equal(recut[k], local_state[k]) for k in local_state)
 if args.sp:
     tp.register_sequence_parallel_grad_hooks(model)
 loss, grads = loss_and_grads(model, ids, padding, tp)
 
 errors = {n: float((grads[n] - g).norm() / g.norm().clamp_min(1e-12)) for n, g in ref_grads.items() if g is not None}
 if dist.get_rank() == 0:
-    result = {"loss": loss, "ref_loss": ref_loss, "grad_errors": errors, "sharded": sorted(tp.shards)}
+    result = {"loss": loss, "ref_loss": ref_loss, "grad_errors": errors, "sharded": sorted(tp.shards),
+              "state_round_trip": state_round_trip}  # fmt: skip
     Path(args.out, "result.json").write_text(json.dumps(result))
 leave_process_group()

@@ -47,3 +47,16 @@ def test_other_probe_failures_keep_the_general_advice():
     module = nn.Linear(3, 3)
     with pytest.raises(ProbeError, match="verify='off'"):
         run_probe(module, {"input_ids": torch.zeros(1, 4, dtype=torch.long)}, lambda b: module(b["input_ids"]))
+
+
+def test_a_refusal_met_in_the_probe_forward_keeps_its_own_advice():
+    from lightning_5d.parallel.tensor.packed_attention import local_heads_forward
+
+    attention = nn.MultiheadAttention(8, 2, batch_first=True)
+    attention.forward = local_heads_forward(attention, rank=0, tp=1)
+    x = torch.zeros(1, 4, 8)
+    with pytest.raises(ProbeError) as raised:
+        run_probe(attention, {"input_ids": x}, lambda b: attention(b["input_ids"], x, x))  # need_weights=True
+    message = str(raised.value)
+    assert "stopped on a refusal" in message and "need_weights=False" in message, message
+    assert "verify='off'" not in message, message

@@ -25,5 +25,6 @@ def test_transformer_encoder_matches_the_unsharded_model(tmp_path, case, sp):
     assert {"encoder.layers.0.self_attn.in_proj_weight", "encoder.layers.0.self_attn.out_proj.weight"} <= set(
         result["sharded"]
     )
+    assert result["state_round_trip"], "the gathered state dict differs from the full one"
     worst = max(result["grad_errors"], key=result["grad_errors"].get)
     assert result["grad_errors"][worst] <= 1e-5, (worst, result["grad_errors"])
