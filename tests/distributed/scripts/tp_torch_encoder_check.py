@@ -1,9 +1,11 @@
 """nn.TransformerEncoder (nn.MultiheadAttention inside) under TP / TP+SP, one forward and backward
 against the same model in this process, for the settings the zoo's model does not use.
 
-Cases (``--case``): ``seq_first_padding`` (batch_first=False, post-norm, a bool causal mask and a
-key_padding_mask that hides the last tokens of one sequence) and ``batch_first_causal`` (the zoo
-model's shape: batch_first, pre-norm, a float causal mask with is_causal=True). Every rank builds
+Cases (``--case``, ``CASES``): ``seq_first_padding`` (batch_first=False, post-norm, a bool causal
+mask and a key_padding_mask that hides the last tokens of one sequence), ``batch_first_causal``
+(the zoo model's shape: batch_first, pre-norm, a float causal mask with is_causal=True) and
+``batch_first_padding`` (post-norm, a padding mask only, nested tensors enabled: in eval mode
+without grad torch would run its fused nested-tensor path; the logits are compared there too). Every rank builds
 the full model from one seed, runs it unsharded (the reference), then cuts it with
 ``TensorParallel`` and compares the loss and every gathered gradient, and the state dict gathered
 from the shards (and cut again) with the full one. Rank 0 writes result.json.
@@ -28,23 +30,34 @@ from lightning_5d.testing import leave_process_group
 VOCAB, D, HEADS, FFN, BATCH, SEQ = 64, 32, 4, 64, 2, 8
 
 
+# case -> (batch_first, norm_first, causal mask, key padding mask, nested-tensor inference path)
+CASES = {
+    "seq_first_padding": (False, False, True, True, False),
+    "batch_first_causal": (True, True, True, False, False),
+    "batch_first_padding": (True, False, False, True, True),  # also compared in eval mode
+}
+
+
 class EncoderLM(nn.Module):
-    def __init__(self, batch_first: bool, norm_first: bool):
+    def __init__(self, batch_first: bool, norm_first: bool, causal: bool, nested: bool):
         super().__init__()
-        self.batch_first = batch_first
+        self.batch_first, self.causal = batch_first, causal
         self.embedding = nn.Embedding(VOCAB, D)
         layer = nn.TransformerEncoderLayer(D, HEADS, FFN, dropout=0.0, batch_first=batch_first, norm_first=norm_first)
-        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=nested)
         self.head = nn.Linear(D, VOCAB)
 
     def forward(self, ids, padding=None):
         x = self.embedding(ids) * math.sqrt(D)
-        if self.batch_first:
-            mask = nn.Transformer.generate_square_subsequent_mask(ids.size(1))
-            return self.head(self.encoder(x, mask=mask, is_causal=True))
-        mask = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)
-        out = self.encoder(x.transpose(0, 1), mask=mask, src_key_padding_mask=padding)
-        return self.head(out.transpose(0, 1))
+        x = x if self.batch_first else x.transpose(0, 1)
+        if self.causal and self.batch_first:  # a float mask with the is_causal hint
+            kwargs = {"mask": nn.Transformer.generate_square_subsequent_mask(SEQ), "is_causal": True}
+        elif self.causal:  # a bool mask: True where attention is not allowed
+            kwargs = {"mask": torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1)}
+        else:
+            kwargs = {}
+        out = self.encoder(x, src_key_padding_mask=padding, **kwargs)
+        return self.head(out if self.batch_first else out.transpose(0, 1))
 
 
 def loss_and_grads(model, ids, padding, tp=None):
@@ -63,18 +76,31 @@ def loss_and_grads(model, ids, padding, tp=None):
 
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--case", choices=["seq_first_padding", "batch_first_causal"], required=True)
+parser.add_argument("--case", choices=list(CASES), required=True)
 parser.add_argument("--sp", action="store_true")
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
 torch.manual_seed(0)
-batch_first = args.case == "batch_first_causal"
-model = EncoderLM(batch_first=batch_first, norm_first=batch_first)
+batch_first, norm_first, causal, padded, nested = CASES[args.case]
+model = EncoderLM(batch_first, norm_first, causal, nested)
 ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-padding = None if batch_first else torch.tensor([[False] * SEQ, [False] * (SEQ - 3) + [True] * 3])
+padding = torch.tensor([[False] * SEQ, [False] * (SEQ - 3) + [True] * 3]) if padded else None
 ref_loss, ref_grads = loss_and_grads(model, ids, padding)
+
+
+def eval_logits(model):
+    """Inference (eval, no grad): torch's nested-tensor path where the model allows it."""
+    model.eval()
+    with torch.no_grad(), loss_parallel_region():
+        logits = model(ids, padding)
+    model.train()
+    logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+    return logits[~padding] if padding is not None else logits  # padded positions: zeros on the nested path
+
+
+ref_eval = eval_logits(model) if nested else None
 
 full_state = {k: v.clone() for k, v in model.state_dict().items()}
 mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
@@ -90,9 +116,10 @@ if args.sp:
     tp.register_sequence_parallel_grad_hooks(model)
 loss, grads = loss_and_grads(model, ids, padding, tp)
 
+eval_error = float((eval_logits(model) - ref_eval).norm() / ref_eval.norm()) if nested else None
 errors = {n: float((grads[n] - g).norm() / g.norm().clamp_min(1e-12)) for n, g in ref_grads.items() if g is not None}
 if dist.get_rank() == 0:
     result = {"loss": loss, "ref_loss": ref_loss, "grad_errors": errors, "sharded": sorted(tp.shards),
-              "state_round_trip": state_round_trip}  # fmt: skip
+              "state_round_trip": state_round_trip, "eval_error": eval_error}  # fmt: skip
     Path(args.out, "result.json").write_text(json.dumps(result))
 leave_process_group()
