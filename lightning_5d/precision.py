@@ -11,7 +11,9 @@ so the strategy places them (``FiveDStrategy._parallelize``):
 - ZeRO-3: FSDP2 keeps fp32 shards and casts to bf16 for compute (``MixedPrecisionPolicy``).
 
 The forward also runs under ``torch.autocast(bf16)`` so that the ops autocast keeps in fp32
-(softmax, cross entropy, norms) do not lose the loss to bf16 rounding.
+(softmax, cross entropy, norms) do not lose the loss to bf16 rounding. On CPU, whose autocast
+has no float32 rule for norms, ``cpu_norms`` computes a layer / group norm of mixed input and
+weight dtypes in float32 as CUDA autocast would (a float32 buffer added to bf16 activations).
 
 FP8 swaps the block projections that model discovery finds (attention, MLP, experts) for
 FP8 linears; the head and the router stay bf16 unless asked otherwise. Backends: our own
@@ -32,6 +34,7 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
+from lightning_5d.cpu_norms import CpuNormsAsAutocast
 from lightning_5d.fp8.recipes import Fp8Backend, Fp8Recipe
 from lightning_5d.parallel.data.master_weights import MasterWeights
 
@@ -395,6 +398,8 @@ class FiveDPrecision(Precision):
     def forward_context(self) -> Generator[None, None, None]:
         with ExitStack() as stack:
             stack.enter_context(torch.autocast(self.device_type, dtype=self.param_dtype, cache_enabled=False))
+            if self.device_type == "cpu":  # CUDA autocast runs layer/group norms in fp32; CPU's refuses mixed dtypes
+                stack.enter_context(CpuNormsAsAutocast())
             if self._te_recipe is not None and not self._fp8_suspended:
                 from lightning_5d.fp8.te_backend import te_autocast
 

@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
+from lightning_5d.config import LayoutError
 from lightning_5d.plan.model_plan import ModelPlan
 from lightning_5d.verify.skeleton import Piece, PieceKind
 
@@ -226,6 +227,10 @@ def run_probe(
             forward(batch)
     except ProbeError:
         raise
+    except LayoutError as err:  # a refusal of ours met at run time: its own advice, not the probe's
+        raise ProbeError(
+            f"the plan verifier's probe forward of {type(module).__name__} stopped on a refusal: {err}"
+        ) from err
     except Exception as err:
         hint = _mixed_dtype_hint(module, err)
         if hint:
@@ -264,7 +269,10 @@ def _mixed_dtype_hint(module: nn.Module, err: Exception) -> str:
     A model that adds a float32 buffer (a sinusoidal position table) to its bf16 activations
     promotes them to float32; the next LayerNorm then gets float32 input and bf16 weights, which
     CPU kernels refuse ("mixed dtype (CPU)"): CPU autocast does not run layer_norm in float32
-    as CUDA autocast does. Training's forward fails the same way, so verify='off' would not help.
+    as CUDA autocast does. The plugin's forward context does that for F.layer_norm and
+    F.group_norm (``lightning_5d.cpu_norms``); a norm computed by another kernel, or a forward run
+    outside that context, still fails here. Training's forward fails the same way, so verify='off'
+    would not help.
     """
     if "mixed dtype (CPU)" not in str(err):
         return ""

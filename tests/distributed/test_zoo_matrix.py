@@ -12,11 +12,12 @@ import pytest
 
 from zoo_matrix import BY_ID, outcome_of, run_cells
 
-# Eight models of eight styles under five layouts, each passing today, all on 2 processes (one launch):
+# Eight models of eight styles in ten cells (five layouts), each passing today, all on 2 processes (one launch):
 FAST = [
     "kwargs_forward__tp2psp",  # hand-written, keyword-only forwards, q/k/v biases: tp + sequence parallelism
     "phi3__cp2",  # Hugging Face Phi-3 (fused qkv_proj and gate_up_proj): context parallelism
     "torch_encoder__zero3",  # nn.TransformerEncoder / nn.MultiheadAttention: ZeRO-3
+    "torch_encoder__tp2psp",  # the same under tp + SP: MHA by heads in its packed in_proj_weight
     "olmo2__pp2",  # Hugging Face OLMo-2 (full-width q/k norms, post-norms): pipeline parallelism
     "olmo2__tp2",  # the same under tp: the full-width q/k norms as tp-distributed RMSNorms
     "gemma__pp2",  # Hugging Face Gemma (tied embeddings: a copy on each end, gradients summed): pp

@@ -12,6 +12,11 @@ sequence: it is scattered at the first block's input and gathered at the last bl
 output, and f/g become all-gather / reduce-scatter (f*, g*; see ``ops``). The
 gathered input of a region is kept for backward as the rank's shard (``regather``).
 
+``nn.MultiheadAttention`` (q, k and v in one ``in_proj_weight``, applied inside torch's own
+call) gets a forward that runs the rank's heads and calls its row-parallel ``out_proj``
+(``packed_attention``). An MLP whose linears the block holds directly (nn.TransformerEncoderLayer's
+``linear1`` / ``linear2``) enters its region at each column linear, not at the block.
+
 Outside the blocks, the token embedding and the output head are cut along the
 vocabulary (``vocab``), and the head's logits stay vocabulary-sharded.
 
@@ -43,6 +48,7 @@ from lightning_5d.config import LayoutError
 from lightning_5d.parallel.tensor import ops as tensor_ops
 from lightning_5d.parallel.tensor.local_shapes import localize_shapes
 from lightning_5d.parallel.tensor.head_bias import wrap_per_head_bias
+from lightning_5d.parallel.tensor.packed_attention import check_supported, local_heads_forward, map_qkv_inputs
 from lightning_5d.parallel.tensor.regather import RegatherRegion
 from lightning_5d.parallel.tensor.vocab import vocab_parallel_forward, vocab_range
 from lightning_5d.parallel.tensor.width_norm import distributed_rms_forward, find_width_norms
@@ -122,9 +128,11 @@ def validate_tensor_parallel(plan: ModelPlan, root: nn.Module, tp: int) -> None:
     for i, block_plan in enumerate(plan.block_plans):
         att = block_plan.attention  # None: a feed-forward entry of an alternating block list
         where = f"block {plan.block_path(i)}"
+        block = root.get_submodule(plan.block_path(i))
         if att is not None:
             _check_heads(plan, i, att, tp, where, need)
-        block = root.get_submodule(plan.block_path(i))
+            if att.packed:
+                check_supported(block.get_submodule(att.path), f"{plan.block_path(i)}.{att.path}", tp)
         mlp_col = block_plan.mlp.column if block_plan.mlp else ()
         mlp_row = block_plan.mlp.row if block_plan.mlp else ()
         for p in (att.column if att else ()) + mlp_col:
@@ -142,14 +150,6 @@ def validate_tensor_parallel(plan: ModelPlan, root: nn.Module, tp: int) -> None:
 
 
 def _check_heads(plan: ModelPlan, i: int, att, tp: int, where: str, need: Callable[[int, str], None]) -> None:
-    if att.packed:
-        raise TensorParallelError(
-            f"tp={tp} cannot cut {plan.block_path(i)}.{att.path} (nn.MultiheadAttention): torch's "
-            f"F.multi_head_attention_forward unpacks in_proj_weight as 3 x embed_dim rows and splits heads by "
-            f"embed_dim // num_heads, so a tp rank's slice of the heads cannot run through it. Use tp=1 for this "
-            f"model (ZeRO-3 and pp run it unchanged), or write the attention with separate q/k/v "
-            f"nn.Linear layers and F.scaled_dot_product_attention."
-        )
     if not att.num_heads:
         pattern = paths.join(plan.blocks, "*", att.path)
         raise ModelMappingError(
@@ -188,6 +188,13 @@ def _map_first_output(output: Any, fn: Callable[[Tensor], Tensor]) -> Any:
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor):
         return type(output)([fn(output[0]), *output[1:]])
     raise RuntimeError(f"sequence parallelism expected a block to return a tensor, got {type(output).__name__}.")
+
+
+def _mlp_entries(mlp) -> list[str]:
+    """Where the MLP region starts: its module, or, when the block itself holds the MLP's linears
+    (nn.TransformerEncoderLayer's linear1 / linear2, called between the block's norms and
+    residual adds), each column linear, so the norms and residuals stay outside f / f*."""
+    return [mlp.path] if mlp.path else [p.path for p in mlp.column]
 
 
 def _row_forward(module: nn.Module, kind: ProjectionKind, reduce: Callable[[Tensor], Tensor]):
@@ -310,6 +317,11 @@ class TensorParallel:
 
     def _column(self, block: nn.Module, p: Projection) -> None:
         module = block.get_submodule(p.path)
+        if p.kind is ProjectionKind.PACKED_IN_PROJ:  # nn.MultiheadAttention: [q_r|k_r|v_r] of its [3E, E] rows
+            self._shard_param(module, "in_proj_weight", TensorShard(0, p.segments))
+            if module.in_proj_bias is not None:
+                self._shard_param(module, "in_proj_bias", TensorShard(0, p.segments))
+            return
         shard = _column_shard(p)
         self._shard_param(module, "weight", shard)
         if getattr(module, "bias", None) is not None:
@@ -332,8 +344,9 @@ class TensorParallel:
             if isinstance(getattr(module, name, None), int):
                 setattr(module, name, value)
 
-    def _enter_region(self, module: nn.Module, where: str) -> None:
-        """f (or f*) on the input of an attention / MLP / head module."""
+    def _enter_region(self, module: nn.Module, where: str, packed: bool = False) -> None:
+        """f (or f*) on the input of an attention / MLP / head module (``packed``: on the query,
+        key and value of an nn.MultiheadAttention)."""
         if self.sequence_parallel and where != "head":
             region = RegatherRegion()
 
@@ -350,11 +363,12 @@ class TensorParallel:
             self._hooks.append(module.register_forward_hook(lambda *_: region.exit(), always_call=True))
         else:
             fn = lambda x: tensor_ops.copy_to_tp(x, self.group)  # noqa: E731
-        self._hooks.append(
-            module.register_forward_pre_hook(
-                lambda _m, args, kwargs: _map_hidden_states(args, kwargs, fn, where), with_kwargs=True
-            )
-        )
+        if packed:
+            sp = self.sequence_parallel
+            hook = lambda _m, args, kwargs: map_qkv_inputs(args, kwargs, fn, sp, where)  # noqa: E731
+        else:
+            hook = lambda _m, args, kwargs: _map_hidden_states(args, kwargs, fn, where)  # noqa: E731
+        self._hooks.append(module.register_forward_pre_hook(hook, with_kwargs=True))
 
     def _apply(self, root: nn.Module) -> None:
         plan = self.plan
@@ -368,22 +382,26 @@ class TensorParallel:
                 for p in att.column:
                     self._column(block, p)
                 self._row(block, att.o)
-                for attr in att.head_attributes:
-                    setattr(attention, attr, getattr(attention, attr) // self.size)
+                if att.packed:  # the forward reads these as the rank's: H/t heads of E/t features
+                    attention.num_heads = att.num_heads // self.size
+                    attention.embed_dim = attention.embed_dim // self.size
+                    attention.forward = local_heads_forward(attention, self.rank, self.size)
+                else:
+                    for attr in att.head_attributes:
+                        setattr(attention, attr, getattr(attention, attr) // self.size)
                 _localize_config(attention, att.num_heads, att.num_kv_heads, self.size)
                 localize_shapes(attention, att.shape_sites, self.size)
                 if att.per_head_bias:
                     wrap_per_head_bias(attention, full_attributes, full_widths, att.num_heads, self.rank, self.size)
                 self._width_norms(block, plan.block_path(i), att, block_plan.norms)
-                self._enter_region(attention, f"{plan.block_path(i)}.{att.path}")
+                self._enter_region(attention, f"{plan.block_path(i)}.{att.path}", packed=att.packed)
             if block_plan.mlp is not None:
                 for p in block_plan.mlp.column:
                     self._column(block, p)
                 for p in block_plan.mlp.row:
                     self._row(block, p)
-                self._enter_region(
-                    block.get_submodule(block_plan.mlp.path), f"{plan.block_path(i)}.{block_plan.mlp.path}"
-                )
+                for entry in _mlp_entries(block_plan.mlp):
+                    self._enter_region(block.get_submodule(entry), f"{plan.block_path(i)}.{entry}")
             # An MoE feed-forward stays replicated over tp: token-wise, so it is exact on a
             # replicated input and, under SP, on the rank's sequence shard.
             if self.sequence_parallel:
@@ -427,8 +445,11 @@ class TensorParallel:
 
     def _mark_sequence_partial(self, block: nn.Module, prefix: str, block_plan) -> None:
         att = block_plan.attention
-        inside = ([att.path] if att else []) + ([block_plan.mlp.path] if block_plan.mlp else [])
-        rows = [p.path for p in (att.row if att else ()) + (block_plan.mlp.row if block_plan.mlp else ())]
+        mlp = block_plan.mlp
+        inside = ([att.path] if att else []) + (_mlp_entries(mlp) if mlp else [])
+        if mlp is not None and not mlp.path:  # linears held by the block itself: each one is inside
+            inside += [p.path for p in mlp.row]
+        rows = [p.path for p in (att.row if att else ()) + (mlp.row if mlp else ())]
         for name, _ in block.named_parameters():
             in_region = any(name.startswith(path + ".") for path in inside)
             row_bias = any(name == f"{path}.bias" for path in rows)

@@ -140,3 +140,16 @@ def test_a_failure_in_the_model_names_the_line_of_the_model_that_failed():
     message = str(raised.value)
     assert "not enough values to unpack" in message
     assert "(at test_probe.py:" in message and "`q, k, v = self.qkv(self.embed(ids)).split(8, dim=2)`" in message
+
+
+def test_a_refusal_met_in_the_probe_forward_keeps_its_own_advice():
+    from lightning_5d.parallel.tensor.packed_attention import local_heads_forward
+
+    attention = nn.MultiheadAttention(8, 2, batch_first=True)
+    attention.forward = local_heads_forward(attention, rank=0, tp=1)
+    x = torch.zeros(1, 4, 8)
+    with pytest.raises(ProbeError) as raised:
+        run_probe(attention, {"input_ids": x}, lambda b: attention(b["input_ids"], x, x))  # need_weights=True
+    message = str(raised.value)
+    assert "stopped on a refusal" in message and "need_weights=False" in message, message
+    assert "verify='off'" not in message, message
