@@ -377,7 +377,13 @@ class TensorParallel:
             att = block_plan.attention
             if att is not None:  # None: a feed-forward entry of an alternating block list
                 attention = block.get_submodule(att.path)
-                full_widths = {block.get_submodule(p.path): _out_features(block.get_submodule(p.path), p) for p in att.column}
+                # The full model's widths, only for rebuilding a per-head bias (a packed
+                # nn.MultiheadAttention holds no per-projection weight to read them from).
+                full_widths = (
+                    {block.get_submodule(p.path): _out_features(block.get_submodule(p.path), p) for p in att.column}
+                    if att.per_head_bias
+                    else {}
+                )
                 full_attributes = {attr: getattr(attention, attr) for attr in att.head_attributes}
                 for p in att.column:
                     self._column(block, p)
