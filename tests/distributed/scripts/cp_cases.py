@@ -11,7 +11,10 @@
                       shard's positions; prints REFERENCE MATCHES.
 --case hf_positional_mask  a Hugging Face model called with a padding mask passed
                       positionally: fails at the first step.
---case no_positions   positions built inside the backbone, not reachable: fails in setup.
+--case hidden_cache   the rope_cache model with the length slice inside its rotary module (called
+                      with the hidden states, no seq_len): the probe observes the cache read
+                      as its first n rows, cp hands the shard its rows; compared as rope_cache.
+--case no_positions   rotary angles from torch.arange inside the forward, not reachable: fails in setup.
 --case explicit_softmax  attention spelled out as softmax(QK^T)V: fails in setup.
 --case unlabelled     batches of input_ids only (the module shifts them itself): fails at
                       the first step, before any optimizer step.
@@ -40,7 +43,7 @@ from tests_support import TINY, RecordingLM, make_datamodule
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--case", required=True,
-                    choices=["rope_cache", "manual", "hf_two_models", "hf_positional_mask", "no_positions",
+                    choices=["rope_cache", "manual", "hf_two_models", "hf_positional_mask", "no_positions", "hidden_cache",
                              "explicit_softmax", "unlabelled", "bad_seq"])  # fmt: skip
 parser.add_argument("--out", default=None)
 args = parser.parse_args()
@@ -115,6 +118,32 @@ class Rope(RotaryEmbedding):
 
     def forward(self, x):
         return self.cos_cached[: x.size(1)], self.sin_cached[: x.size(1)]
+
+
+class InlineRope(nn.Module):
+    """cos/sin from ``torch.arange`` of the length inside the forward: positions nothing can reach."""
+
+    def __init__(self, head_dim: int, theta: float = 10000.0):
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+
+    def forward(self, x):
+        inv = 1.0 / self.theta ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim)
+        emb = torch.outer(torch.arange(x.size(1)).float(), inv).repeat(1, 2)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+class ArangePositionsModel(CacheModel):
+    def __init__(self):
+        super().__init__()
+        self.rotary = InlineRope(H // HEADS)
+
+    def forward(self, input_ids):
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(h)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.lm_head(self.norm(h))
 
 
 class HiddenPositionsModel(CacheModel):
@@ -244,6 +273,8 @@ elif args.case == "manual":
 elif args.case in ("hf_two_models", "hf_positional_mask"):
     module = TwoModels(padding_mask=args.case == "hf_positional_mask")
 elif args.case == "no_positions":
+    module = LM(ArangePositionsModel())
+elif args.case == "hidden_cache":
     module = LM(HiddenPositionsModel())
 elif args.case == "explicit_softmax":
     module = Unlabelled(config=TINY)
@@ -272,7 +303,7 @@ trainer.fit(module, **data)
 
 if args.case.startswith("hf_"):
     leave_process_group()
-# rope_cache and manual only from here: compare with the model trained in one process.
+# rope_cache, manual and hidden_cache only from here: compare with the model trained in one process.
 losses = [x.item() for x in module.losses]
 state = trainer.strategy.full_model_state()
 if dist.get_rank() == 0:

@@ -200,10 +200,12 @@ def test_hugging_face_llama_matches_single_process_full(tmp_path, case):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("case", ["rope_cache", pytest.param("manual", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("case", ["rope_cache", "hidden_cache", pytest.param("manual", marks=pytest.mark.slow)])
 def test_model_with_a_length_sliced_rope_cache_matches_single_process(tmp_path, case):
-    """rope_cache: positions through a RoPE cache sliced by length. manual: the same model under
-    manual optimization, two backward passes and a self.log after each inside one step."""
+    """rope_cache: positions through a RoPE cache sliced by length. hidden_cache: the slice made
+    inside the rotary module from the hidden states' length (observed, not passed). manual: the
+    rope_cache model under manual optimization, two backward passes and a self.log after each
+    inside one step."""
     out = tmp_path / "result.json"
     run_distributed(SCRIPTS / "cp_cases.py", 2, ["--case", case, "--out", str(out)], timeout=150).check()
     result = json.loads(out.read_text())
@@ -253,7 +255,7 @@ def test_attention_activations_fall_by_cp_and_zigzag_balances_work(tmp_path):
 @pytest.mark.parametrize(
     "case, message",
     [
-        ("no_positions", "takes no position_ids and no rotary module with a seq_len argument"),
+        ("no_positions", "takes no position_ids, no rotary module with a seq_len argument was found, and the probe could not show"),
         pytest.param("explicit_softmax", "computes softmax(QKᵀ)V itself, which ring attention cannot replace", marks=pytest.mark.slow),
         ("unlabelled", "carries no labels"),
         pytest.param("bad_seq", "sequence length 30 is not divisible by 2*cp=4", marks=pytest.mark.slow),
