@@ -22,8 +22,8 @@ FAST = ["interleaved_qkv_tp2_guessed", "scaled_embedding_tp2_sp", "head_norm_tp2
         "head_norm_tp2_zero3_unsummed", "nested_tp2_cut_plain"]  # fmt: skip
 EXTENDED = ["tp2", "tp2_sp", "zero3", "cp2", "pp2", "scaled_embedding_tp2", "fused_gate_up_tp2",
             "interleaved_qkv_tp2", "fused_gate_up_tp2_cut_plain", "fused_gate_up_tp2_cut_plain_off",
-            "scaled_embedding_cp2", "head_norm_tp2", "head_norm_tp2_zero3", "cp2_zero3", "cp2_ac",
-            "head_norm_tp2_ac_unsummed", "nested_tp2", "nested_tp2_zero3", "nested_cp2_zero3"]  # fmt: skip
+            "scaled_embedding_cp2", "head_norm_tp2", "head_norm_tp2_zero3", "cp2_zero3", "tp2_sp_zero3", "pp2_zero3",
+            "cp2_ac", "head_norm_tp2_ac_unsummed", "nested_tp2", "nested_tp2_zero3", "nested_cp2_zero3"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,8 @@ def test_verifier_extended(outcomes, case):
     result = outcomes[0][case]
     if case == "fused_gate_up_tp2_cut_plain":
         check_fused_gate_up(result["error"])
-    if case in ("zero3", "head_norm_tp2_zero3", "cp2_zero3", "cp2_ac", "nested_tp2_zero3", "nested_cp2_zero3"):
+    if case in ("zero3", "head_norm_tp2_zero3", "cp2_zero3", "tp2_sp_zero3", "pp2_zero3", "cp2_ac",
+                "nested_tp2_zero3", "nested_cp2_zero3"):  # fmt: skip
         # Gradients compared under ZeRO-3 and activation checkpointing too: every piece, every parameter.
         assert result["skipped"] == [] and all(result["compared"].values()), result
     if case.startswith("nested_") and result["expected"] == "pass":

@@ -59,6 +59,8 @@ CASES = {
     "head_norm_tp2_zero3": (HeadNormLM, {"tp": 2, "zero": 3}, "pass"),
     "head_norm_tp2_zero3_unsummed": (HeadNormLM, {"tp": 2, "zero": 3}, "fail"),
     "cp2_zero3": (MarkedLM, {"cp": 2, "zero": 3}, "pass"),  # FSDP2 shards over the 2 cp ranks
+    "tp2_sp_zero3": (MarkedLM, {"tp": 2, "sequence_parallel": True, "zero": 3}, "pass"),  # SP's norms summed over tp
+    "pp2_zero3": (MarkedLM, {"pp": 2, "zero": 3, "pipeline": {"microbatches": 2}}, "pass"),
     "cp2_ac": (MarkedLM, {"cp": 2, "activation_checkpointing": "full"}, "pass"),
     "head_norm_tp2_ac_unsummed": (HeadNormLM, {"tp": 2, "activation_checkpointing": "selective"}, "fail"),
     # Container blocks (for attn, ff in layers): each sub-layer compared as a piece of its own.
