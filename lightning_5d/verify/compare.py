@@ -88,7 +88,7 @@ class PieceResult:
     tolerance: float
     parts: tuple[tuple[str, Difference], ...] = ()
     # Each parameter's gradient (full path) after one backward of the piece, against the
-    # reference piece's; empty where gradients were not compared (ZeRO-3).
+    # reference piece's; empty where gradients were not compared (verify="outputs").
     grads: tuple[tuple[str, Difference], ...] = ()
 
     @property
