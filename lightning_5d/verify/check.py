@@ -4,24 +4,27 @@
 changes the model; :meth:`PlanCheck.after` runs the parallel model once on a probe batch,
 then for each piece this rank holds rebuilds the unparallelized piece with the full
 weights gathered from the parallel one, feeds it the full-shape input the parallel piece
-received and compares the outputs (:mod:`.compare`). Only one piece is ever held at full
-size. Every rank learns every failure (so no rank goes on to train while another stops),
-and setup raises :class:`PlanVerificationError` naming the piece, the first wrong output
-inside it and the numbers.
+received and compares the outputs (:mod:`.compare`) and, under ``verify="blocks"``, the
+parameter gradients of one backward of each side (:mod:`.grads`; the parallel piece runs
+again for it, :mod:`.rerun`). Only one piece is ever held at full size. Every rank learns
+every failure (so no rank goes on to train while another stops), and setup raises
+:class:`PlanVerificationError` naming the piece, the first wrong output inside it and the
+numbers.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
-from lightning_5d.config import ActivationCheckpointing, ParallelConfig, VerifyMode, ZeroStage
+from lightning_5d.config import ParallelConfig, VerifyMode, ZeroStage
 from lightning_5d.materialize.heap import release_freed_memory
 from lightning_5d.parallel.pipeline import PipelineMode
 from lightning_5d.parallel.pipeline.fsdp import drop_held_gradients
@@ -31,7 +34,8 @@ from lightning_5d.verify.agree import first_failure
 from lightning_5d.verify.compare import Difference, PieceResult, PlanVerificationError, difference, mismatch_message
 from lightning_5d.verify.compare import tolerance_for
 from lightning_5d.verify.gather import ActivationLayout, full_weights
-from lightning_5d.verify.grads import has_dtensor_parameters, parallel_grads, reference_grads, trainable_names
+from lightning_5d.verify.grads import first_tensor as _first_tensor
+from lightning_5d.verify.grads import reference_grads, trainable_names
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_5d.verify.probe import (
@@ -44,6 +48,7 @@ from lightning_5d.verify.probe import (
     probe_seq_len,
     run_probe,
 )
+from lightning_5d.verify.rerun import ParallelGrads, unit_owners
 from lightning_5d.verify.skeleton import Piece, PieceKind, materialize, take_skeleton, tensor_names
 
 
@@ -142,21 +147,10 @@ class PlanCheck:
             )
             return None
         held = self._held_pieces(module, ep, pp is not None, report)
-        # Gradients too (grads.py), except under ZeRO-3, whose sharded parameters are not in the graph.
-        grads = self.config.verify == VerifyMode.BLOCKS and self.config.zero != ZeroStage.PARAMETERS
-        grads = grads and not any(has_dtensor_parameters(m) for _, m in held)
-        if self.config.verify == VerifyMode.BLOCKS and not grads:
-            report.skipped.append("parameter gradients (ZeRO-3: FSDP2 owns the parameters the forward used)")
-        # Under activation checkpointing the piece's backward recomputes its forward, and here that
-        # recomputation would run after the probe, outside the context (cp's sequence shard and
-        # attention routing) its forward ran in: torch refuses the mismatched recomputation.
-        if grads and self.config.activation_checkpointing != ActivationCheckpointing.NONE:
-            grads = False
-            report.skipped.append("parameter gradients (activation checkpointing: the recomputation in backward "
-                                  "would run outside the probe's context; outputs are compared)")  # fmt: skip
+        grads = self.config.verify == VerifyMode.BLOCKS  # gradients too (grads.py), each piece run again
         recorder = Recorder()
         for piece, live in held:
-            recorder.watch(piece.path, live, inputs=True, keep_graph=grads)
+            recorder.watch(piece.path, live, inputs=True)
             for inner, _ in inner_paths(piece):
                 recorder.watch(f"{piece.path}.{inner}", live.get_submodule(inner), inputs=False)
         modes = {m: m.training for m in module.modules()}
@@ -168,7 +162,7 @@ class PlanCheck:
         trims = [m.register_forward_hook(_release_after_unit) for m in module.modules() if isinstance(m, FSDPModule)]
         failure: ProbeError | None = None
         try:
-            run_probe(module, batch, self._forward(call, cp, pp, precision), grad=grads)
+            run_probe(module, batch, self._forward(call, cp, pp, precision))
         except ProbeError as err:
             failure = err  # decided together below: under pp it may have failed on one stage only
         finally:
@@ -203,23 +197,20 @@ class PlanCheck:
             rank_zero_warn(f"{err} Under ZeRO-3 alone the check is skipped instead.")  # FSDP2 does not rewrite
             return None
 
-        # A parameter two pieces share (a head tied to the embedding) has its gradient compared in the
-        # first: from a later piece's output, autograd would also follow the path through the earlier
-        # piece (the lookup feeding the blocks), which the reference piece alone does not have.
-        compared: set[int] = set()
+        # The parallel pieces' backward (grads.py) runs in the probe's context, ZeRO-3 units gathered one at a time.
+        parallel = ParallelGrads(lambda: _probe_context(batch, cp, precision), unit_owners(module) if grads else {},
+                                 tp, cp, self.config.zero == ZeroStage.PARAMETERS)  # fmt: skip
         # Under bf16 mixed / FP8 a piece computes in bf16 even where its output is float32 (a model
         # that adds a float32 buffer to its activations keeps a float32 residual stream).
         compute_dtype = getattr(precision, "param_dtype", None)
         for piece, live in held:
-            shared = {n for n, p in live.named_parameters() if id(p) in compared}
-            compared.update(id(p) for p in live.parameters())
             try:
-                report.results.append(self._compare(piece, live, recorder, layout, tp, cp if grads else None,
-                                                    grads, device, shared, compute_dtype))  # fmt: skip
+                report.results.append(self._compare(piece, live, recorder, layout, tp, parallel if grads else None,
+                                                    device, compute_dtype))  # fmt: skip
             except _NotComparable as why:
                 report.skipped.append(str(why))
             release_freed_memory()
-        recorder.records.clear()  # the probe's graph (kept for the gradients) goes with it
+        recorder.records.clear()
         report.seconds = time.perf_counter() - start
         self.report = report
         failed = _everyone(report.results)
@@ -235,15 +226,10 @@ class PlanCheck:
         held = []
         for piece in self.pieces:
             live = live_module(module, piece.path)
-            if ep is not None and piece.block_plan is not None and piece.block_plan.moe is not None:
+            if ep is not None and _holds_moe(piece):
                 # Expert dispatch may drop tokens (capacity) or add a routing bias by design, and
                 # under ep a rank holds only its experts: the one-process MoE is not the reference.
                 report.skipped.append(f"{piece.name} (MoE under expert dispatch)")
-                continue
-            if live is not None and type(live).forward is nn.Module.forward:
-                # A container block (a ModuleList of layers): the model's own loop calls its
-                # children, so there is no call of the block whose input and output could be compared.
-                report.skipped.append(f"{piece.name} (a container without forward)")
                 continue
             # A pipeline placeholder may hold a tied weight, but its real module runs on another stage.
             if live is None or getattr(live, "stands_in", False) or not _holds(live, piece):
@@ -255,55 +241,33 @@ class PlanCheck:
 
     @staticmethod
     def _forward(call: Any, cp: Any | None, pp: Any | None, precision: Any | None):
-        def one(batch: dict[str, Tensor]) -> None:
-            if cp is None:
-                call(batch["input_ids"])
-                return
-            local = cp.begin(batch)
-            try:
-                call(local["input_ids"])
-            finally:
-                cp.end()
-
-        def pipelined(batch: dict[str, Tensor]) -> None:
-            if cp is None:
-                pp.run(PipelineMode.EVAL, lambda mb: call(mb["input_ids"]), batch)
-                return
-            # As training does (PipelineLoop.run): the sequence shard first, then its microbatches.
-            # The pipeline keeps the first block's input shape per microbatch shape; cutting each
-            # microbatch inside the step instead gave a cp-cut activation under the key of an
-            # uncut microbatch, which training's (already cut) microbatches of that same shape then
-            # reused: the later stages received twice what they expected (gloo aborted them).
-            local = cp.begin(batch)
-            try:
-                pp.run(PipelineMode.EVAL, lambda mb: call(mb["input_ids"]), local)
-            finally:
-                cp.end()
-
         def forward(batch: dict[str, Tensor]) -> None:
-            fp8 = precision is not None and getattr(precision, "fp8", None) is not None
-            # FP8 linears compute in bf16 here: the check proves the layout; FP8's own error is the
-            # numerics guard's job (FiveDPrecision(numerics_check_every=...)).
-            # The precision plugin's forward context (autocast under bf16-mixed), as in training.
-            context = precision.forward_context() if precision is not None else _nothing()
-            with context, precision.fp8_off() if fp8 else _nothing():
+            # Under pp as training does (PipelineLoop.run): the sequence shard first, then its
+            # microbatches. The pipeline keeps the first block's input shape per microbatch shape;
+            # cutting each microbatch inside the step instead gave a cp-cut activation under the key
+            # of an uncut microbatch, which training's (already cut) microbatches of that same shape
+            # then reused: the later stages received twice what they expected (gloo aborted them).
+            with _probe_context(batch, cp, precision) as local:
                 if pp is None:
-                    one(batch)
+                    call(local["input_ids"])
                 else:
-                    pipelined(batch)
+                    pp.run(PipelineMode.EVAL, lambda mb: call(mb["input_ids"]), local)
 
         return forward
 
     def _compare(
-        self, piece: Piece, live: nn.Module, recorder: Recorder, layout: ActivationLayout, tp: Any, cp: Any,
-        grads: bool, device, shared: set[str], compute_dtype: torch.dtype | None = None,
+        self, piece: Piece, live: nn.Module, recorder: Recorder, layout: ActivationLayout, tp: Any,
+        grads: ParallelGrads | None, device, compute_dtype: torch.dtype | None = None,
     ) -> PieceResult:  # fmt: skip
         record = recorder.records[piece.path]
         inners = inner_paths(piece)
-        # Collectives first, in the same order on every rank that holds this piece.
+        # Collectives first, in the same order on every rank that holds this piece. The gradients
+        # before the weights: the ZeRO-3 unit gathered for them is freed before the weights are.
+        names = trainable_names(piece.copy) if grads is not None and record.done else []
+        par_grads = grads.of(live, piece.path, record.args, record.kwargs, names) if names else {}
+        if par_grads is None:  # the same on every rank holding the piece
+            raise _NotComparable(f"{piece.name} (parameters sharded as DTensors by something other than ZeRO-3)")
         full = full_weights(live, piece.path, tensor_names(piece.copy), tp)
-        names = [n for n in trainable_names(piece.copy) if n not in shared] if grads and record.done else []
-        par_grads = parallel_grads(live, piece.path, names, _first_tensor(record.live_output), tp, cp) if names else {}
         args = _float(layout.full(record.args))
         kwargs = _float(layout.full(record.kwargs))
         output = layout.full(record.output)
@@ -317,6 +281,8 @@ class PlanCheck:
 
         parallel_out = _first_tensor(output)
         tolerance = tolerance_for(parallel_out.dtype if parallel_out is not None else torch.float32)
+        if compute_dtype is not None:
+            tolerance = max(tolerance, tolerance_for(compute_dtype))
         if compute_dtype is not None:
             tolerance = max(tolerance, tolerance_for(compute_dtype))
         reference = materialize(piece, full, device, trainable=bool(names))
@@ -356,30 +322,37 @@ class PlanCheck:
         return PieceResult(piece.name, piece.path, out, tolerance, tuple(parts), tuple(grad_diffs))
 
 
-class _nothing:
-    def __enter__(self) -> None:
-        return None
+@contextmanager
+def _probe_context(batch: dict[str, Tensor], cp: Any | None, precision: Any | None) -> Iterator[dict[str, Tensor]]:
+    """What the probe forward runs in, and each piece's backward (:class:`.ParallelGrads`): the
+    precision plugin's forward context (autocast under bf16-mixed), as in training; FP8 linears computing in
+    bf16 (the check proves the layout; FP8's own error is the numerics guard's job,
+    FiveDPrecision(numerics_check_every=...)); under cp the batch cut to this rank's sequence
+    shard and attention routed over the cp ranks. Yields the batch as this rank holds it."""
+    fp8 = precision is not None and getattr(precision, "fp8", None) is not None
+    with precision.forward_context() if precision is not None else nullcontext():
+        with precision.fp8_off() if fp8 else nullcontext():
+            if cp is None:
+                yield batch
+                return
+            local = cp.begin(batch)
+            try:
+                yield local
+            finally:
+                cp.end()
 
-    def __exit__(self, *exc: Any) -> None:
-        return None
+
+def _holds_moe(piece: Piece) -> bool:
+    """Whether the piece holds its block's MoE (a sub-layer of a container block may not)."""
+    moe = piece.block_plan.moe if piece.block_plan is not None else None
+    if moe is None:
+        return False
+    return not piece.within or moe.path == piece.within or moe.path.startswith(piece.within + ".")
 
 
 def _holds(live: nn.Module, piece: Piece) -> bool:
     names = set(dict(live.named_parameters(remove_duplicate=False))) | set(dict(live.named_buffers()))
     return all(n in names for n in tensor_names(piece.copy) if n in dict(piece.copy.named_parameters()))
-
-
-def _first_tensor(value: Any) -> Tensor | None:
-    if isinstance(value, Tensor):
-        return value
-    if isinstance(value, (tuple, list)):
-        for v in value:
-            found = _first_tensor(v)
-            if found is not None:
-                return found
-    if isinstance(value, dict):
-        return _first_tensor(list(value.values()))
-    return None
 
 
 def _float(value: Any) -> Any:

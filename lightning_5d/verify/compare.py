@@ -1,9 +1,11 @@
 """How far a parallel piece's output is from the unparallelized piece's, and when that is too far.
 
-The measure is norm-wise: ``relative = ‖y_par − y_ref‖ / ‖y_ref − x‖`` for a residual piece
-(a block whose output has its input's shape: ``x`` is the block input, so the norm is the
-block's own contribution, not the residual stream it adds to), ``‖y_par − y_ref‖ / ‖y_ref‖``
-otherwise. At initialization a block adds a small update to a large residual; measured
+The measure is norm-wise: ``relative = ‖y_par − y_ref‖ / min(‖y_ref − x‖, ‖y_ref‖)`` for a
+block whose output has its input's shape (``x`` is the block input), ``‖y_par − y_ref‖ / ‖y_ref‖``
+otherwise. The denominator is the piece's own contribution: ``y_ref − x`` for a block that adds
+its update to the residual stream, ``y_ref`` itself for a sub-layer of a container block that
+returns only its update (the model's loop adds it); the smaller norm is that contribution in
+both cases. At initialization a block adds a small update to a large residual; measured
 against ``y_ref`` alone, even a block whose attention is completely wrong would look close.
 
 Tolerances follow the dtype the parallel model computed in (both sides are compared in
@@ -52,7 +54,7 @@ class Difference:
 
 
 def difference(parallel: Tensor, reference: Tensor, residual_input: Tensor | None = None) -> Difference:
-    """``parallel`` against ``reference`` (both full-shape); ``residual_input`` when the piece adds to it."""
+    """``parallel`` against ``reference`` (both full-shape); ``residual_input``: a block's input."""
     if tuple(parallel.shape) != tuple(reference.shape):
         shapes = f"shape {tuple(parallel.shape)} where the model gives {tuple(reference.shape)}"
         return Difference(math.inf, math.inf, shapes)
@@ -61,12 +63,11 @@ def difference(parallel: Tensor, reference: Tensor, residual_input: Tensor | Non
     if not bool(torch.isfinite(p).all()):
         return Difference(math.inf, math.inf, "non-finite values where the model gives finite ones")
     gap = p - r
-    scale = r
+    denominator = float(r.norm())
     if residual_input is not None and tuple(residual_input.shape) == tuple(r.shape):
-        scale = r - residual_input.detach().double().to(r.device)
-    denominator = float(scale.norm())
-    if denominator == 0.0:  # a piece that adds nothing: compare against its output instead
-        denominator = float(r.norm())
+        update = float((r - residual_input.detach().double().to(r.device)).norm())
+        if update > 0.0:  # 0: a piece that adds nothing, compared against its output instead
+            denominator = min(denominator, update)
     max_abs = float(gap.abs().max()) if gap.numel() else 0.0
     if denominator == 0.0:
         return Difference(max_abs, 0.0 if max_abs == 0.0 else math.inf)
@@ -87,7 +88,7 @@ class PieceResult:
     tolerance: float
     parts: tuple[tuple[str, Difference], ...] = ()
     # Each parameter's gradient (full path) after one backward of the piece, against the
-    # reference piece's; empty where gradients were not compared (ZeRO-3).
+    # reference piece's; empty where gradients were not compared (verify="outputs").
     grads: tuple[tuple[str, Difference], ...] = ()
 
     @property

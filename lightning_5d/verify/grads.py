@@ -5,26 +5,29 @@ parameter that sees only this rank's heads (a per-head q/k norm under tp) or seq
 (a norm under SP, every parameter under cp) gets this rank's part of its gradient, and
 training then needs the sum over those ranks. So each piece also runs one backward:
 
-    parallel:   g_par = d<c(y_par), y_par>/dθ_local   (torch.autograd.grad from the probe's graph),
-                then the sums training applies: tp's partial-gradient hooks (they fire inside
-                autograd.grad), the sum over cp (each cp rank saw its chunk of the sequence),
-                then tp's gather of a cut parameter to its full shape
+    parallel:   g_par = d<c(y_par), y_par>/dθ_local   (the live piece run again on its probe
+                input, :mod:`.rerun`), then the sums training applies: tp's partial-gradient
+                hooks (they fire inside autograd.grad; under ZeRO-3, where training sums those
+                gradients after the backward instead, the same sum over tp here), the sum over
+                cp (each cp rank saw its chunk of the sequence), then tp's gather of a cut
+                parameter to its full shape
     reference:  g_ref = d<c(y_ref), y_ref>/dθ        (the unparallelized piece, fp32)
 
 ``c`` is the cotangent: a fixed elementwise function of the output (``cos(3y) + 1/2``). An
 elementwise function is cut exactly as the output is (sequence shards, vocabulary shards,
 head columns), so every rank holds its slice of one global cotangent without knowing how
 its layout cuts the output, and both sides use the same cotangent up to the forward's own
-(already checked) difference. Gradients are taken only along paths to the piece's own
-parameters, so no earlier piece runs a backward (and no earlier collective fires).
+(already checked) difference. The piece's input is detached, so gradients reach only the
+piece's own parameters: no earlier piece runs a backward (and no earlier collective fires).
 
-Not under ZeRO-3: FSDP2 owns the unsharded parameters the forward used (its sharded
-``DTensor`` parameters are not in the graph); those pieces are compared on outputs only.
+Under ZeRO-3 θ_local are FSDP2's unsharded parameters (gathered over the data ranks for
+the piece alone): the gradient before training's reduce-scatter over identical probe
+inputs, i.e. the gradient training's mean over data ranks gives.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Collection
 
 import torch
 import torch.distributed as dist
@@ -43,10 +46,24 @@ def _local(y: Any) -> Tensor | None:
     return y if isinstance(y, Tensor) else None
 
 
-def _grads(output: Tensor | None, params: list[nn.Parameter], retain: bool) -> list[Tensor]:
+def first_tensor(value: Any) -> Tensor | None:
+    """The first tensor in ``value`` (a tensor, or tuples/lists/dicts of them): a piece's output."""
+    if isinstance(value, Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            found = first_tensor(v)
+            if found is not None:
+                return found
+    if isinstance(value, dict):
+        return first_tensor(list(value.values()))
+    return None
+
+
+def _grads(output: Tensor | None, params: list[Tensor]) -> list[Tensor]:
     if output is None or not output.requires_grad or not params:
         return [torch.zeros_like(p) for p in params]
-    found = torch.autograd.grad(output, params, grad_outputs=cotangent(output), allow_unused=True, retain_graph=retain)
+    found = torch.autograd.grad(output, params, grad_outputs=cotangent(output), allow_unused=True)
     return [torch.zeros_like(p) if g is None else g.detach().clone() for p, g in zip(params, found)]
 
 
@@ -55,18 +72,25 @@ def trainable_names(module: nn.Module) -> list[str]:
     return [n for n, p in module.named_parameters() if p.requires_grad]
 
 
-def parallel_grads(live: nn.Module, prefix: str, names: list[str], output: Any, tp: Any | None,
-                   cp: Any | None) -> dict[str, Tensor]:  # fmt: skip
-    """``names``' gradients of the live piece at full shape, summed as training sums them.
+def local_grads(output: Any, params: list[Tensor]) -> list[Tensor]:
+    """This rank's gradients of ``params`` from the piece's ``output`` (no sums yet)."""
+    return _grads(_local(first_tensor(output)), params)
+
+
+def summed(grads: dict[str, Tensor], prefix: str, tp: Any | None, cp: Any | None,
+           tp_partial: Collection[str] = ()) -> dict[str, Tensor]:  # fmt: skip
+    """``grads`` (by name relative to the piece at ``prefix``) summed as training sums them, at
+    full shape. ``tp_partial``: full names whose partial gradients training sums over tp after
+    the backward (ZeRO-3); elsewhere tp's hooks already summed them inside the backward.
 
     A collective over cp and tp: every rank holding this piece calls it in the same order."""
-    params = dict(live.named_parameters())
-    grads = _grads(_local(output), [params[n] for n in names], retain=True)
     out = {}
-    for name, grad in zip(names, grads):
+    for name, grad in grads.items():
+        full_name = f"{prefix}.{name}" if prefix else name
         if cp is not None:  # each cp rank saw its chunk of the sequence; training sums them over dp x cp
             dist.all_reduce(grad, group=cp.group)
-        full_name = f"{prefix}.{name}" if prefix else name
+        if tp is not None and full_name in tp_partial:
+            dist.all_reduce(grad, group=tp.group)
         if tp is not None and tp.is_sharded(full_name):
             grad = tp.full_state({full_name: grad})[full_name]
         out[name] = grad
@@ -75,8 +99,4 @@ def parallel_grads(live: nn.Module, prefix: str, names: list[str], output: Any, 
 
 def reference_grads(reference: nn.Module, names: list[str], output: Any) -> dict[str, Tensor]:
     params = dict(reference.named_parameters())
-    return dict(zip(names, _grads(_local(output), [params[n] for n in names], retain=False)))
-
-
-def has_dtensor_parameters(live: nn.Module) -> bool:
-    return any(isinstance(p, DTensor) for p in live.parameters())
+    return dict(zip(names, _grads(_local(first_tensor(output)), [params[n] for n in names])))

@@ -45,9 +45,6 @@ class Record:
     kwargs: dict = field(default_factory=dict)
     output: Any = None
     done: bool = False
-    # The output still attached to the parallel model's graph (pieces only, when gradients are
-    # compared): the piece's own backward starts from it.
-    live_output: Any = None
 
 
 def probe_ids(vocab_size: int, rows: int, seq_len: int, device: torch.device) -> Tensor:
@@ -68,7 +65,7 @@ class Recorder:
         self.records: dict[str, Record] = {}
         self._handles: list = []
 
-    def watch(self, path: str, module: nn.Module, inputs: bool, keep_graph: bool = False) -> None:
+    def watch(self, path: str, module: nn.Module, inputs: bool) -> None:
         record = self.records.setdefault(path, Record())
 
         # One forward hook: torch hands it the arguments as every pre-hook left them (tp's
@@ -76,15 +73,9 @@ class Recorder:
         def after(_m: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if record.done:
                 return
-            if keep_graph and not torch.is_grad_enabled():
-                # The pipeline's shape probe runs the first stage up to the first block without
-                # gradients; the piece's backward needs the call of the real forward that follows.
-                return
             if inputs:
                 record.args, record.kwargs = _detached(args), _detached(kwargs)
             record.output, record.done = _detached(output), True
-            if keep_graph:
-                record.live_output = output
 
         self._handles.append(module.register_forward_hook(after, with_kwargs=True))
 
@@ -107,7 +98,8 @@ def _detached(value: Any) -> Any:
 def inner_paths(piece: Piece) -> list[tuple[str, tuple[int, ...] | None]]:
     """Modules inside a block to compare, relative to it, with the column segments of column projections.
 
-    ``None`` marks an output that is not column-cut (row projections, attention, MLP).
+    ``None`` marks an output that is not column-cut (row projections, attention, MLP). For a
+    sub-layer of a container block, the modules inside that sub-layer, relative to it.
     """
     plan = piece.block_plan
     if piece.kind != PieceKind.BLOCK or plan is None:
@@ -124,6 +116,9 @@ def inner_paths(piece: Piece) -> list[tuple[str, tuple[int, ...] | None]]:
         found.extend((p.path, p.segments) for p in plan.mlp.column)
         found.extend((p.path, None) for p in plan.mlp.row)
         found.append((plan.mlp.path, None))
+    if piece.within:  # the sub-layer's own output is the piece's: only what lies inside it
+        prefix = piece.within + "."
+        found = [(p[len(prefix):], s) for p, s in found if p.startswith(prefix)]
     seen: set[str] = set()
     return [(p, s) for p, s in found if p and not (p in seen or seen.add(p))]
 
@@ -218,12 +213,11 @@ def run_probe(
     module: nn.Module,
     batch: dict[str, Tensor],
     forward: Callable[[dict[str, Tensor]], None],
-    grad: bool = False,
 ) -> None:
-    """``forward(batch)`` (building the graph when ``grad``: the pieces' gradients are compared
-    after it); a failure becomes a :class:`ProbeError` with the way out."""
+    """``forward(batch)`` without a graph (each piece's backward re-runs that piece alone:
+    :mod:`.rerun`); a failure becomes a :class:`ProbeError` with the way out."""
     try:
-        with torch.set_grad_enabled(grad):
+        with torch.no_grad():
             forward(batch)
     except ProbeError:
         raise

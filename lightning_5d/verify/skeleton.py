@@ -6,6 +6,12 @@ a tensor on the ``meta`` device, so the copy keeps the piece's own classes, attr
 ``forward`` (an embedding subclass that scales its output, a head count read at forward
 time) at no memory cost. One piece at a time is then given real storage, filled with the
 full weights gathered from the parallel model, run, and dropped (:func:`materialize`).
+
+A container block (an ``nn.ModuleList`` / ``nn.ModuleDict`` of sub-layers that the model's
+own loop calls, ``for attn, ff in layers``) is never called itself, so no call of it has an
+input and an output to compare: each of its sub-layers with parameters is a piece of its own
+instead (``block 3 [0]``, ``block 3 [1]``), as FSDP2 makes them one unit together
+(:func:`lightning_5d.parallel.data.fsdp._with_forward`).
 """
 
 from __future__ import annotations
@@ -39,10 +45,15 @@ class Piece:
     copy: nn.Module  # on the meta device
     index: int | None = None  # the block index
     block_plan: BlockPlan | None = None  # what is inside a block (for naming its wrong projection)
+    # A sub-layer of a container block: its path relative to the block ("0", "attn"); "" otherwise.
+    # ``block_plan`` stays the whole block's (its paths are relative to the block).
+    within: str = ""
 
     @property
     def name(self) -> str:
-        return f"block {self.index}" if self.kind == PieceKind.BLOCK else self.kind.value
+        if self.kind != PieceKind.BLOCK:
+            return self.kind.value
+        return f"block {self.index}" + (f" [{self.within}]" if self.within else "")
 
 
 def _weightless(module: nn.Module) -> nn.Module:
@@ -60,20 +71,46 @@ def take_skeleton(module: nn.Module, plan: ModelPlan | None) -> list[Piece]:
     pieces: list[Piece] = []
     if plan is None:
         path, blocks = find_blocks(module)
-        return [
-            Piece(PieceKind.BLOCK, f"{path}.{i}" if path else str(i), _weightless(b), index=i)
-            for i, b in enumerate(blocks)
-        ]
+        return [p for i, b in enumerate(blocks) for p in _block_pieces(f"{path}.{i}" if path else str(i), b, i, None)]
     for kind, path in ((PieceKind.EMBEDDING, plan.embedding), (PieceKind.POSITION_EMBEDDING, plan.position_embedding)):
         if path:
             pieces.append(Piece(kind, path, _weightless(module.get_submodule(path))))
     for i, block_plan in enumerate(plan.block_plans):
         path = plan.block_path(i)
-        pieces.append(Piece(PieceKind.BLOCK, path, _weightless(module.get_submodule(path)), i, block_plan))
+        pieces.extend(_block_pieces(path, module.get_submodule(path), i, block_plan))
     for kind, path in ((PieceKind.FINAL_NORM, plan.final_norm), (PieceKind.HEAD, plan.head)):
         if path:
             pieces.append(Piece(kind, path, _weightless(module.get_submodule(path))))
     return pieces
+
+
+def _block_pieces(path: str, block: nn.Module, index: int, plan: BlockPlan | None) -> list[Piece]:
+    """The block as one piece, or, for a container block, one piece per sub-layer."""
+    layers = sub_layers(block)
+    if layers is None:
+        return [Piece(PieceKind.BLOCK, path, _weightless(block), index, plan)]
+    return [Piece(PieceKind.BLOCK, f"{path}.{rel}", _weightless(m), index, plan, within=rel) for rel, m in layers]
+
+
+def is_container(module: nn.Module) -> bool:
+    """A module whose own ``forward`` never runs: ``nn.ModuleList`` / ``nn.ModuleDict`` (and the like)."""
+    return type(module).forward is nn.Module.forward
+
+
+def sub_layers(block: nn.Module) -> list[tuple[str, nn.Module]] | None:
+    """A container block's sub-layers with parameters (nested containers opened), by path
+    relative to the block, in order; None for a block that has a ``forward`` of its own."""
+    if not is_container(block):
+        return None
+    found: list[tuple[str, nn.Module]] = []
+    for name, child in block.named_children():
+        inner = sub_layers(child)
+        if inner is None:
+            if any(True for _ in child.parameters()):
+                found.append((name, child))
+        else:
+            found.extend((f"{name}.{rel}", m) for rel, m in inner)
+    return found
 
 
 def tensor_names(module: nn.Module) -> list[str]:
@@ -99,4 +136,6 @@ def materialize(piece: Piece, full: Mapping[str, Tensor], device: torch.device, 
                 setattr(owner, leaf, nn.Parameter(value.clone(), requires_grad=wanted))
             else:
                 setattr(owner, leaf, value.clone())
-    return reference.eval() if not piece.copy.training else reference
+    # Eval mode whatever mode the copy was taken in (a module is built in training mode): the probe
+    # runs the parallel model in eval mode, so dropout is off on both sides.
+    return reference.eval()

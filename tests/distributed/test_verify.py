@@ -2,7 +2,9 @@
 
 One 2-process launch runs every selected case of this module (scripts/verify_cases.py);
 each broken case must raise PlanVerificationError naming the wrong piece before any
-training step, each correct one must train its step.
+training step, each correct one must train its step. Gradients are compared under ZeRO-3
+and activation checkpointing as elsewhere; container blocks are compared sub-layer by
+sub-layer.
 """
 
 import json
@@ -14,10 +16,14 @@ from tests_support import SCRIPTS, run_distributed
 # Correct layouts are also checked by every other multi-process test: the verifier is on by
 # default, so each of their setups must pass it. Here the fast tier breaks plans on purpose;
 # the SP case also shows blocks and head passing next to the wrong embedding.
-FAST = ["interleaved_qkv_tp2_guessed", "scaled_embedding_tp2_sp", "head_norm_tp2_unsummed", "pp2_refused_on_stage0"]
+# The ZeRO-3 and container cases break a gradient sum and a container block's sub-layer; the
+# pieces next to them (other gradients, the other sub-layer) pass in the same run.
+FAST = ["interleaved_qkv_tp2_guessed", "scaled_embedding_tp2_sp", "head_norm_tp2_unsummed", "pp2_refused_on_stage0",
+        "head_norm_tp2_zero3_unsummed", "nested_tp2_cut_plain"]  # fmt: skip
 EXTENDED = ["tp2", "tp2_sp", "zero3", "cp2", "pp2", "scaled_embedding_tp2", "fused_gate_up_tp2",
             "interleaved_qkv_tp2", "fused_gate_up_tp2_cut_plain", "fused_gate_up_tp2_cut_plain_off",
-            "scaled_embedding_cp2", "head_norm_tp2"]
+            "scaled_embedding_cp2", "head_norm_tp2", "head_norm_tp2_zero3", "cp2_zero3", "tp2_sp_zero3", "pp2_zero3",
+            "cp2_ac", "head_norm_tp2_ac_unsummed", "nested_tp2", "nested_tp2_zero3", "nested_cp2_zero3"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +78,18 @@ def test_verifier_fast(outcomes, case):
         assert "gradient of model.layers.0.attention.q_norm.weight" in error, error
         assert "gradient of model.layers.0.attention.k_norm.weight" in error, error
         assert "gradient of model.layers.0.attention.q_proj.weight" not in error, error
+    if case == "head_norm_tp2_zero3_unsummed":
+        # Under ZeRO-3 too (each unit gathered for its piece's backward; training sums these
+        # gradients over tp after the backward): the unsummed norms are named, the rest match.
+        assert "block 0 (model.layers.0): the output matches" in error, error
+        assert "gradient of model.layers.0.attention.q_norm.weight" in error, error
+        assert "matching gradients: model.layers.0.attention_norm.weight, model.layers.0.attention.q_proj" in error
+    if case == "nested_tp2_cut_plain":
+        # Container blocks (for attn, ff in layers): each sub-layer is a piece; the feed-forward whose
+        # fused [gate|up] was cut plainly is named, the attention sub-layer next to it passes.
+        assert "block 0 [1] (layers.0.1)" in error and "block 1 [1] (layers.1.1)" in error, error
+        assert "first wrong output in execution order: layers.0.1.1.down_proj" in error, error
+        assert "block 0 [0]" not in error and "block 1 [0]" not in error, error
 
 
 def check_fused_gate_up(error: str) -> None:
@@ -87,5 +105,13 @@ def check_fused_gate_up(error: str) -> None:
 @pytest.mark.parametrize("case", EXTENDED)
 def test_verifier_extended(outcomes, case):
     check(outcomes, case)
+    result = outcomes[0][case]
     if case == "fused_gate_up_tp2_cut_plain":
-        check_fused_gate_up(outcomes[0][case]["error"])
+        check_fused_gate_up(result["error"])
+    if case in ("zero3", "head_norm_tp2_zero3", "cp2_zero3", "tp2_sp_zero3", "pp2_zero3", "cp2_ac",
+                "nested_tp2_zero3", "nested_cp2_zero3"):  # fmt: skip
+        # Gradients compared under ZeRO-3 and activation checkpointing too: every piece, every parameter.
+        assert result["skipped"] == [] and all(result["compared"].values()), result
+    if case.startswith("nested_") and result["expected"] == "pass":
+        pieces = ["block 0 [0]", "block 0 [1]", "block 1 [0]", "block 1 [1]"]
+        assert all(len(result["compared"][p]) >= 4 for p in pieces), result  # norm, projections

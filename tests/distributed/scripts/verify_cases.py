@@ -3,7 +3,8 @@
 ``--cases a,b,...`` names entries of CASES. A case expected to pass trains one step; a case
 with a broken plan must stop in setup with PlanVerificationError before any training step
 (the module counts the steps that started). Rank 0 writes one JSON line per case
-to ``--out``: the outcome, the error text, and whether a training step ran.
+to ``--out``: the outcome, the error text, whether a training step ran, and what this
+rank's check compared (pieces, gradients) and left out.
 """
 
 import argparse
@@ -21,7 +22,7 @@ from lightning_5d.plan.model_plan import ColumnLayout
 from lightning_5d.verify import PlanCheck, PlanVerificationError, ProbeError
 from tests_support import make_datamodule
 from lightning_5d.parallel.tensor.sharding import TensorParallel
-from verify_models import FusedGateUpLM, HeadNormLM, InterleavedQKVLM, MarkedLM, ScaledEmbeddingLM
+from verify_models import FusedGateUpLM, HeadNormLM, InterleavedQKVLM, MarkedLM, NestedLM, ScaledEmbeddingLM
 
 # name -> (module class, FiveDStrategy keyword arguments, expected outcome)
 CASES = {
@@ -53,6 +54,20 @@ CASES = {
     # attention did under tp x pp): the other stage's rank must stop with the same refusal, not
     # wait for an activation (it died of a gloo connection reset before).
     "pp2_refused_on_stage0": (MarkedLM, {"pp": 2, "pipeline": {"microbatches": 2}}, "refused"),
+    # Gradients under ZeRO-3 (each unit gathered for its piece's backward) and under activation
+    # checkpointing (the recomputation inside the probe's context; cp's ring attention needs it).
+    "head_norm_tp2_zero3": (HeadNormLM, {"tp": 2, "zero": 3}, "pass"),
+    "head_norm_tp2_zero3_unsummed": (HeadNormLM, {"tp": 2, "zero": 3}, "fail"),
+    "cp2_zero3": (MarkedLM, {"cp": 2, "zero": 3}, "pass"),  # FSDP2 shards over the 2 cp ranks
+    "tp2_sp_zero3": (MarkedLM, {"tp": 2, "sequence_parallel": True, "zero": 3}, "pass"),  # SP's norms summed over tp
+    "pp2_zero3": (MarkedLM, {"pp": 2, "zero": 3, "pipeline": {"microbatches": 2}}, "pass"),
+    "cp2_ac": (MarkedLM, {"cp": 2, "activation_checkpointing": "full"}, "pass"),
+    "head_norm_tp2_ac_unsummed": (HeadNormLM, {"tp": 2, "activation_checkpointing": "selective"}, "fail"),
+    # Container blocks (for attn, ff in layers): each sub-layer compared as a piece of its own.
+    "nested_tp2": (NestedLM, {"tp": 2, "model_plan": NestedLM.PLAN}, "pass"),
+    "nested_tp2_zero3": (NestedLM, {"tp": 2, "zero": 3, "model_plan": NestedLM.PLAN}, "pass"),
+    "nested_cp2_zero3": (NestedLM, {"cp": 2, "zero": 3, "model_plan": NestedLM.PLAN}, "pass"),
+    "nested_tp2_cut_plain": (NestedLM, {"tp": 2, "model_plan": NestedLM.PLAN}, "fail"),
 }
 
 
@@ -87,7 +102,17 @@ real_mark_head_partial = TensorParallel._mark_head_partial
 
 def unsummed(self, block, prefix, block_plan):
     """tp's mark of the per-head norms' partial gradients, skipped: no sum over tp."""
+
+
 real_after = PlanCheck.after
+checked = []  # the report of this rank's check in the current case
+
+
+def reporting(self, module, **kwargs):
+    checked.append(real_after(self, module, **kwargs))
+    return checked[-1]
+
+
 first_block = []  # block 0 as built (under pp the stage's container no longer holds it on every rank)
 
 
@@ -100,7 +125,7 @@ def refusing_block0(self, module, **kwargs):
 
     block.forward = refuse
     try:
-        return real_after(self, module, **kwargs)
+        return reporting(self, module, **kwargs)
     finally:
         del block.forward
 
@@ -110,10 +135,11 @@ for name in args.cases.split(","):
     cls, kwargs, expected = CASES[name]
     observation.observe = next((f for tag, f in SABOTAGE.items() if tag in name), real_observe)
     TensorParallel._mark_head_partial = unsummed if "_unsummed" in name else real_mark_head_partial
-    PlanCheck.after = refusing_block0 if "_refused_on_stage0" in name else real_after
+    PlanCheck.after = refusing_block0 if "_refused_on_stage0" in name else reporting
+    checked.clear()
     torch.manual_seed(0)
     module = cls()
-    first_block[:] = [module.model.layers[0]]
+    first_block[:] = [module.model.layers[0] if hasattr(module, "model") else module.layers[0]]
     trainer = L.Trainer(
         accelerator="cpu",
         devices=int(os.environ["WORLD_SIZE"]),
@@ -132,9 +158,11 @@ for name in args.cases.split(","):
         outcome, error = "fail", str(err)
     except ProbeError as err:
         outcome, error = "refused", str(err)
-    lines.append(
-        {"case": name, "expected": expected, "outcome": outcome, "error": error, "steps": module.steps_started}
-    )
+    report = checked[0] if checked else None  # None: setup stopped inside the check
+    compared = {r.name: [g for g, _ in r.grads] for r in report.results} if report is not None else {}
+    lines.append({"case": name, "expected": expected, "outcome": outcome, "error": error,
+                  "steps": module.steps_started, "compared": compared,
+                  "skipped": report.skipped if report is not None else []})  # fmt: skip
     print(f"CASE {name}: {outcome}", flush=True)
 # Every rank's outcomes: a refusal must reach each rank with the same message.
 out = Path(args.out) if rank == 0 else Path(f"{args.out}.rank{rank}")

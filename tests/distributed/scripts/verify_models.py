@@ -8,11 +8,14 @@ Each is the reference Llama with one part written the way other code bases write
 * ``FusedGateUpLM``: the MLP computes ``gate, up = gate_up_proj(x).chunk(2, -1)``
   (Phi-3 style); a plan that calls ``gate_up_proj`` a plain column projection cuts it into
   contiguous halves, so a rank's "gate" and "up" columns are the gate's two halves.
+* ``NestedLM``: container blocks (``for attn, ff in self.layers``), its feed-forward a fused
+  ``[gate|up]`` as above.
 """
 
 import math
 from dataclasses import asdict
 
+import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -152,3 +155,71 @@ class HeadNormLM(MarkedLM):
                 attention.q_norm.weight.uniform_(0.5, 1.5)
                 attention.k_norm.weight.uniform_(0.5, 1.5)
             layer.attention = attention
+
+
+class NestedAttention(nn.Module):
+    """q/k/v/o attention; in its container block behind its pre-norm (``nn.Sequential(norm, attention)``),
+    a sub-layer that returns only its update."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q_proj, self.k_proj = nn.Linear(hidden, hidden, bias=False), nn.Linear(hidden, hidden, bias=False)
+        self.v_proj, self.o_proj = nn.Linear(hidden, hidden, bias=False), nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        b, s, _ = h.shape
+        q, k, v = (p(h).view(b, s, self.heads, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class NestedFeedForward(nn.Module):
+    """The other sub-layer (behind its own pre-norm): a fused [gate|up] read with chunk(2), down."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class NestedLM(L.LightningModule):
+    """Container blocks: ``for attn, ff in self.layers``, each block an ``nn.ModuleList`` the
+    model's loop opens (the style of many research code bases); no position encoding. The
+    pre-norms sit outside the attention and feed-forward modules: tp does not sum the gradient
+    of a norm inside its MLP region (the verifier stops such a plan: its gradient is this
+    rank's columns' part)."""
+
+    PLAN = {"layers.*.0.1": "attention(heads=4, kv_heads=4)"}
+
+    def __init__(self, vocab: int = 256, hidden: int = 64, intermediate: int = 128, layers: int = 2) -> None:
+        super().__init__()
+        torch.manual_seed(17)
+        self.embed = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(
+            nn.ModuleList([nn.Sequential(nn.LayerNorm(hidden), NestedAttention(hidden, 4)),
+                           nn.Sequential(nn.LayerNorm(hidden), NestedFeedForward(hidden, intermediate))])
+            for _ in range(layers)
+        )
+        self.norm = nn.LayerNorm(hidden)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        self.steps_started = 0
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for attn, ff in self.layers:
+            x = x + attn(x)
+            x = x + ff(x)
+        return self.lm_head(self.norm(x))
+
+    def training_step(self, batch, batch_idx):
+        self.steps_started += 1
+        logits = self(batch["input_ids"])
+        return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)

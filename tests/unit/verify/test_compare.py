@@ -86,3 +86,13 @@ def test_a_gradient_off_fails_the_piece_and_is_named_while_the_output_matches():
     assert "gradient of m.layers.0.attn.q_norm.weight: relative error 0.5" in text
     assert "matching gradients: m.layers.0.attn.q_proj.weight" in text
     assert not PieceResult("block 0", "m.layers.0", Difference(0, 0), tol, grads=grads[1:]).failed
+
+
+def test_a_sub_layer_that_returns_only_its_update_is_measured_against_that_update():
+    # A container block's attention sub-layer: the model's loop adds its output to the stream,
+    # so the output is the update itself and the block input is the large residual stream.
+    x = torch.randn(1, 8, 16) * 10
+    update = torch.randn(1, 8, 16) * 0.01
+    d = difference(update.flip(-1), update, residual_input=x)
+    assert d.relative == pytest.approx(float((update.flip(-1) - update).norm() / update.norm()), rel=1e-6)
+    assert d.exceeds(tolerance_for(torch.bfloat16))  # against ‖update − x‖ it would be ~1e-3

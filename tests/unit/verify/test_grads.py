@@ -1,9 +1,17 @@
 """The verifier's backward per piece (single process: no tp or cp sums)."""
 
+import copy
+from contextlib import contextmanager, nullcontext
+
+import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from lightning_5d.verify.grads import cotangent, parallel_grads, reference_grads, trainable_names
+from lightning_5d.config import ActivationCheckpointing
+from lightning_5d.parallel.activation_checkpoint import apply_activation_checkpointing
+from lightning_5d.verify.grads import cotangent, local_grads, reference_grads, trainable_names
+from lightning_5d.verify.rerun import ParallelGrads, rerun, unit_owners
 
 
 def test_the_cotangent_of_a_shard_is_the_shard_of_the_cotangent():
@@ -18,12 +26,99 @@ def test_gradients_are_taken_for_the_pieces_own_parameters_only():
     before, piece = nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
     piece[1].weight.requires_grad_(False)  # frozen: not compared
     x = torch.randn(3, 4)
-    y = piece(before(x))
+    recorded = before(x).detach()  # what the probe records: the piece's input, detached
     names = trainable_names(piece)
     assert names == ["0.weight", "0.bias", "1.bias"]
-    grads = parallel_grads(piece, "piece", names, y, tp=None, cp=None)
-    assert before.weight.grad is None  # nothing accumulated, no earlier piece's backward
-    again = reference_grads(piece, names, piece(before(x).detach()))
+    params = dict(piece.named_parameters())
+    with torch.enable_grad():
+        grads = local_grads(rerun(piece, (recorded,), {}), [params[n] for n in names])
+    assert before.weight.grad is None and piece[0].weight.grad is None  # nothing accumulated anywhere
+    reference = copy.deepcopy(piece)
+    again = reference_grads(reference, names, reference(recorded))
+    for name, grad in zip(names, grads):
+        torch.testing.assert_close(grad, again[name])
+    assert grads[0].abs().sum() > 0
+
+
+class Block(nn.Module):
+    """Runs only inside its context (as cp's ring attention needs cp's shard to be current)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.proj = nn.LayerNorm(8), nn.Linear(8, 8)
+        self.inside = False
+
+    def forward(self, x):
+        if not self.inside:
+            raise RuntimeError("ran outside the probe's context")
+        return x + self.proj(self.norm(x))
+
+
+@pytest.mark.parametrize("mode", [ActivationCheckpointing.FULL, ActivationCheckpointing.SELECTIVE])
+def test_an_activation_checkpointed_piece_recomputes_inside_the_probes_context(mode):
+    torch.manual_seed(0)
+    block = Block()
+    plain = copy.deepcopy(block)
+    apply_activation_checkpointing([block], mode)
+
+    @contextmanager
+    def context():
+        block.inside = plain.inside = True
+        try:
+            yield
+        finally:
+            block.inside = plain.inside = False
+
+    x = torch.randn(2, 5, 8)
+    names = trainable_names(block)
+    grads = ParallelGrads(context, owners={}).of(block, "layers.0", (x,), {}, names)  # the backward recomputes
+    with context():
+        expected = reference_grads(plain, names, plain(x))
     for name in names:
-        torch.testing.assert_close(grads[name], again[name])
-    assert grads["0.weight"].abs().sum() > 0
+        torch.testing.assert_close(grads[name], expected[name])
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.layers = nn.ModuleList(nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)) for _ in range(2))
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+
+def test_zero3_gradients_come_from_the_gathered_unit_and_it_is_sharded_again(world_of_one):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    torch.manual_seed(0)
+    model = Tiny()
+    plain = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    ids = torch.randint(0, 16, (2, 6))
+    with torch.no_grad():
+        model(ids)  # the probe: FSDP2's lazy initialisation, no graph
+    for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
+        unit.reshard()  # as the verifier does after its probe
+    owners = unit_owners(model)
+    assert owners[id(model.layers[1][1].weight)] is model.layers[1]  # the innermost unit, not the root
+    assert owners[id(model.head.weight)] is model
+
+    x = plain.embed(ids).detach()
+    live = model.layers[1]
+    names = trainable_names(live)
+    grads = ParallelGrads(nullcontext, owners=owners, zero3=True).of(live, "layers.1", (x,), {}, names)
+    expected = reference_grads(plain.layers[1], names, plain.layers[1](x))
+    for name in names:
+        torch.testing.assert_close(grads[name], expected[name])
+        assert not isinstance(grads[name], DTensor)
+    assert all(isinstance(p, DTensor) for p in model.parameters())  # every unit sharded again
+    assert all(p.grad is None for p in model.parameters())  # nothing left for training's first step

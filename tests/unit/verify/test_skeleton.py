@@ -74,3 +74,74 @@ def test_a_key_value_cache_is_not_handed_to_the_reference():
     args = (torch.ones(2, dtype=torch.float64), DynamicCache(), torch.arange(3))
     out = _float(args)
     assert out[0].dtype == torch.float32 and out[1] is None and out[2].dtype == torch.long
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        h = self.norm(x)
+        q, k, v = (p(h).view(b, s, 4, 4).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, 16))
+
+
+class NestedLM(nn.Module):
+    """``for attn, ff in self.layers``: each block an nn.ModuleList the model's loop opens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(40, 16)
+        ff = lambda: nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))  # noqa: E731
+        self.layers = nn.ModuleList(nn.ModuleList([Attention(), ff()]) for _ in range(2))
+        self.norm = nn.LayerNorm(16)
+        self.lm_head = nn.Linear(16, 40)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for attn, ff in self.layers:
+            x = x + attn(x)
+            x = x + ff(x)
+        return self.lm_head(self.norm(x))
+
+
+def test_a_container_block_is_one_piece_per_sub_layer_each_with_its_own_inner_modules():
+    from lightning_5d.verify.probe import inner_paths
+
+    model = NestedLM()
+    plan = discover(model, {"layers.*.0": "attention(heads=4)"})
+    blocks = [p for p in take_skeleton(model, plan) if p.kind == PieceKind.BLOCK]
+    assert [(p.name, p.path) for p in blocks] == [
+        ("block 0 [0]", "layers.0.0"), ("block 0 [1]", "layers.0.1"),
+        ("block 1 [0]", "layers.1.0"), ("block 1 [1]", "layers.1.1"),
+    ]  # fmt: skip
+    assert type(blocks[0].copy) is Attention and isinstance(blocks[1].copy, nn.Sequential)
+    # Inside each sub-layer, relative to it: the projections and what the plan names there.
+    assert [p for p, _ in inner_paths(blocks[0])] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert [p for p, _ in inner_paths(blocks[1])] == ["1", "3"]
+    # Each sub-layer rebuilt alone computes what the model's does.
+    attn = model.layers[1][0]
+    full = {n: t.detach().clone() for n, t in [*attn.named_parameters(), *attn.named_buffers()]}
+    x = torch.randn(2, 8, 16)
+    torch.testing.assert_close(materialize(blocks[2], full, torch.device("cpu"))(x), attn(x), rtol=0, atol=0)
+
+
+def test_a_block_with_a_forward_stays_one_piece_and_parameterless_sub_layers_are_left_out():
+    from lightning_5d.verify.skeleton import sub_layers
+
+    assert sub_layers(LlamaLM(CONFIG).model.layers[0]) is None
+    nested = nn.ModuleList([nn.ModuleDict({"attn": nn.Linear(4, 4), "act": nn.GELU()}), nn.Linear(4, 4)])
+    assert [rel for rel, _ in sub_layers(nested)] == ["0.attn", "1"]
+
+
+def test_the_reference_piece_runs_in_eval_mode_like_the_probe():
+    block = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5))  # built in training mode, as at setup
+    piece = take_skeleton(nn.ModuleDict({"layers": nn.ModuleList([block])}), None)[0]
+    full = {n: t.detach().clone() for n, t in block.named_parameters()}
+    reference = materialize(piece, full, torch.device("cpu"))
+    x = torch.randn(4, 8)
+    assert not reference.training and torch.equal(reference(x), reference(x))
