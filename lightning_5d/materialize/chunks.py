@@ -50,7 +50,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from lightning_5d.materialize.record import EMPTY_CREATIONS, InitLog, Op, Ref
 from lightning_5d.parallel.regions import Region
 
-CHUNK_BYTES = 16 * 2**20
+CHUNK_BYTES = 2**20  # 1 MiB: the overhead above the share; the draws cost the same in any chunking
 _ALIGN = 64  # elements; a multiple of normal_'s group of 16 and of twice the widest float vector
 
 _MARKER_SEED = 0x5EED_0F_C4A7  # any seed; only compared with itself

@@ -83,7 +83,8 @@ def full_weights(live: nn.Module, prefix: str, names: Iterable[str], tp: Any | N
 
     ``tp`` is the strategy's TensorParallel (or None): it knows how each parameter was cut.
     A collective over the data ranks (FSDP2 shards) and over tp: every rank holding this
-    piece calls it with the same names in the same order.
+    piece calls it with the same names in the same order. Every tensor returned is the
+    caller's own (never the live parameter's storage).
     """
     tensors = dict(live.named_parameters(remove_duplicate=False))
     tensors.update(dict(live.named_buffers(remove_duplicate=False)))
@@ -91,12 +92,17 @@ def full_weights(live: nn.Module, prefix: str, names: Iterable[str], tp: Any | N
     for name in names:
         if name not in tensors:
             raise KeyError(name)
-        value = tensors[name]
+        value = live_value = tensors[name]
         if isinstance(value, DTensor):
+            live_value = value._local_tensor
             value = value.full_tensor()
         value = value.detach()
         full_name = f"{prefix}.{name}" if prefix else name
         if tp is not None and tp.is_sharded(full_name):
             value = tp.full_state({full_name: value})[full_name]
-        out[name] = value
+        # Owned by the caller (the reference piece takes it as it is): a gather is a fresh
+        # tensor already; the rank's own tensor (unsharded, or replicated) is copied, so the
+        # live one stays apart.
+        shared = value.untyped_storage().data_ptr() == live_value.untyped_storage().data_ptr()
+        out[name] = value.clone() if shared else value
     return out
