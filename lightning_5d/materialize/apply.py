@@ -142,8 +142,9 @@ def materialize(
     device: torch.device,
     splits: Sequence[Any],
     chunk_bytes: int = CHUNK_BYTES,
-) -> int:
-    """Allocate this rank's pieces on ``device`` and fill them; returns the number of names filled.
+) -> tuple[int, int]:
+    """Allocate this rank's pieces on ``device`` and fill them; returns the number of names
+    filled, and of those how many in row chunks.
 
     ``splits``: the tp / ep / pp objects (``local_state``: full tensors -> this rank's pieces,
     no communication). An FSDP2 shard is then cut from the piece where its DTensor says, so no
@@ -169,8 +170,10 @@ def materialize(
     replay = Replay(log)
     # The replay sets the generator before each draw; the user's stream is left as it was.
     with torch.random.fork_rng(devices=[]), torch.no_grad():
+        chunked = 0
         for name in persistent:
             if _fill_in_chunks(name, targets[name], log, refs[name], replay, splits, chunk_bytes):
+                chunked += 1
                 continue
             piece = replay.value(refs[name])
             for split in splits:
@@ -181,7 +184,7 @@ def materialize(
         for name in buffers:
             _fill(name, live[name], replay.value(refs[name.replace(_WRAPPED, "")]))
     release_freed_memory()
-    return len(persistent) + len(buffers)
+    return len(persistent) + len(buffers), chunked
 
 
 def _fill_in_chunks(
