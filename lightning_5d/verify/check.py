@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule
 
 from lightning_5d.config import ActivationCheckpointing, ParallelConfig, VerifyMode, ZeroStage
 from lightning_5d.materialize.heap import release_freed_memory
@@ -44,6 +44,7 @@ from lightning_5d.verify.probe import (
     probe_seq_len,
     run_probe,
 )
+from lightning_5d.verify.probe_memory import drop_kept_gather, probe_settings
 from lightning_5d.verify.skeleton import Piece, PieceKind, materialize, take_skeleton, tensor_names
 
 
@@ -166,11 +167,10 @@ class PlanCheck:
         # RSS grew by about every unit of the model. Give them back as each unit finishes, so the
         # probe holds one gathered unit (plus those FSDP2 keeps: the last block, the head's).
         trims = [m.register_forward_hook(_release_after_unit) for m in module.modules() if isinstance(m, FSDPModule)]
-        # FSDP2 keeps some units gathered after their forward (the last block, the norm + head
-        # unit, the root), for the backward training runs next; the probe has none, so while it
-        # lasts every unit gives its parameters back after its forward. The probe then holds the
-        # rank's share plus one unit's gather (all-gather buffer and unsharded copy) at a time.
-        resharding = _reshard_after_every_forward([m for m in module.modules() if isinstance(m, FSDPModule)])
+        # The probe holds the rank's share plus one unit's gather (FSDP2's buffer and unsharded
+        # copy) at a time: every unit reshards after its forward and, on CPU, drops the buffer
+        # FSDP2 keeps for the next unit (probe_memory.py); training's settings come back after.
+        settings = probe_settings([m for m in module.modules() if isinstance(m, FSDPModule)])
         failure: ProbeError | None = None
         try:
             run_probe(module, batch, self._forward(call, cp, pp, precision), grad=grads)
@@ -180,7 +180,7 @@ class PlanCheck:
             recorder.remove()
             for handle in trims:
                 handle.remove()
-            resharding.restore()
+            settings.restore()
             for m, training in modes.items():
                 m.training = training
             # A forward with no backward leaves FSDP2's root unit gathered (the root keeps its
@@ -432,34 +432,8 @@ class _NotComparable(Exception):
     """A piece whose reference cannot run on the gathered inputs (reported, not a mismatch)."""
 
 
-class _Resharding:
-    """Every FSDP2 unit's reshard-after-forward setting as it was, to be put back after the probe."""
-
-    def __init__(self, saved: list[tuple[Any, bool | None, list[Any]]]) -> None:
-        self.saved = saved
-
-    def restore(self) -> None:
-        for state, auto, infos in self.saved:
-            state._auto_reshard_after_forward = auto
-            for group, info in zip(state._fsdp_param_groups, infos):
-                # A root whose lazy init ran during the probe (its first forward) gets what that
-                # init gives a root left on automatic: no reshard after forward.
-                group.post_forward_mesh_info = None if auto and state._is_root else info
-
-
-def _reshard_after_every_forward(units: list[FSDPModule]) -> _Resharding:
-    saved, seen = [], set()
-    for unit in units:
-        state = fully_shard.state(unit)
-        if id(state) in seen:
-            continue  # one state for a list of modules sharded together
-        seen.add(id(state))
-        saved.append((state, state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in state._fsdp_param_groups]))
-        unit.set_reshard_after_forward(True, recurse=False)
-    return _Resharding(saved)
-
-
-def _release_after_unit(_module: nn.Module, _args: Any, _output: Any) -> None:
+def _release_after_unit(module: nn.Module, _args: Any, _output: Any) -> None:
     # Runs after FSDP2's own post-forward hook (registered at fully_shard, before this one),
-    # which has already freed the unit's gathered parameters.
+    # which has already freed the unit's gathered parameters (the probe reshards every unit).
+    drop_kept_gather(module)
     release_freed_memory()
