@@ -13,10 +13,13 @@ Step 4 of the design ("build on meta, apply the dimensions, then materialize"):
    device (``_apply``, so FSDP2's DTensor shards are allocated at their local size), then
    the full value of each name this rank holds is recomputed (:mod:`replay`), one tensor
    at a time; the tp/ep/pp splits cut the rank's piece, and an FSDP2 DTensor's own
-   placement its shard. Nothing is sent: every rank recomputes the same full tensor.
+   placement its shard. Nothing is sent: every rank recomputes the same full tensor (in
+   row chunks where :mod:`.chunks` can prove the chunks' values are the whole tensor's).
 
-Peak memory: the rank's share plus one full tensor and the loader's copies of it
-(``group_bytes`` > 0 batches tensors into fewer, larger loads).
+Peak memory: the rank's share plus one row chunk (``chunk_bytes``, 1 MiB) for tensors whose
+recorded history is chunkable (:mod:`.chunks`: factories, ``uniform_`` / ``normal_`` and the
+``nn.init`` functions built on them, element-wise fills and scales); plus one full tensor for any
+other (``trunc_normal_``, ``orthogonal_``, a copy from another tensor).
 """
 
 from __future__ import annotations
