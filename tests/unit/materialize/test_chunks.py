@@ -16,7 +16,7 @@ from lightning_5d.materialize.record import Ref
 from lightning_5d.parallel.regions import Region, chunk_ranges
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
-NUMELS = [16, 17, 31, 33, 64, 100, 1000, 4099, 64 * 37 + 5]
+NUMELS = [16, 17, 33, 100, 4099, 64 * 37 + 5]  # numel % 16: 0, 1, 1, 4, 3, 5
 
 
 def _advanced_generator(explicit: bool) -> torch.Generator | None:
@@ -45,7 +45,7 @@ def _draw_in_pieces(func, numel, dtype, cuts, g, **kw) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_normal_in_chunks_of_sixteen_is_the_whole_draw(dtype, explicit):
     for numel in NUMELS:
-        for step in (16, 48, 80, 64 * 3):
+        for step in (16, 48, 80):
             cuts = list(range(step, numel, step))
             if cuts and numel - cuts[-1] < 16:  # the last chunk holds >= 16 (the tail's redraw)
                 cuts.pop()
@@ -144,7 +144,7 @@ def test_chunked_regions_equal_the_whole_tensor():
     for name, ref in refs.items():
         whole = replay.value(ref)
         start = replay.start(ref.key)
-        for chunk_bytes in (4, 100, 1000, 4096):
+        for chunk_bytes in (4, 1000):  # one aligned step of rows per chunk; a few steps
             for region in _regions(tuple(ref.size)):
                 out = torch.full(region.local_shape, float("nan"), dtype=ref.dtype)
                 done = fill_region(log, ref, start, region, out, chunk_bytes)
