@@ -108,16 +108,19 @@ def markdown(result: dict) -> str:
         f"rank's RSS before the model existed; the largest rank; as a fraction of the whole fp32 model. The resume "
         f"rows hold the rank's AdamW moments too (2 x its share of the model).",
         "",
-        "| variant | peak above baseline (MiB) | fraction of the model | held at `on_train_start` (MiB) | wall (s) |",
-        "|---|---:|---:|---:|---:|",
+        "| variant | peak above baseline (MiB) | fraction of the model | before | held at `on_train_start` (MiB) "
+        "| wall (s) |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"| {r['label']} | failed: {r['error']} | | | |")
+            lines.append(f"| {r['label']} | failed: {r['error']} | | | | |")
             continue
         held = max(k["rss_after_setup"] - k["baseline"] for k in r["ranks"])
-        lines.append(f"| {r['label']} | {r['max_above'] / 2**20:,.0f} | {r['fraction']:.2f} | {held / 2**20:,.0f} | "
-                     f"{r['wall_s']:.0f} |")  # fmt: skip
+        note = " (not rerun: previous run's row)" if r.get("kept") else ""
+        before = f"{r['before']:.2f}" if r.get("before") is not None else ""  # rows merged by hand over a previous run
+        lines.append(f"| {r['label']}{note} | {r['max_above'] / 2**20:,.0f} | {r['fraction']:.2f} | {before} | "
+                     f"{held / 2**20:,.0f} | {r['wall_s']:.0f} |")  # fmt: skip
     return "\n".join(lines)
 
 

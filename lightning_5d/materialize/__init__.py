@@ -1,7 +1,8 @@
 """Models built on the meta device: record their initialization, materialize each rank's pieces.
 
 See :mod:`.record` (what the build records), :mod:`.replay` (one tensor's full value, exact
-to a single-process CPU build), :mod:`.apply` (capture before the dimensions, materialize
+to a single-process CPU build), :mod:`.chunks` (the same value in row chunks, keeping the
+rank's region), :mod:`.apply` (capture before the dimensions, materialize
 after them), :mod:`.build` (the strategy's handle) and :mod:`.heap` (freed pages back to the OS).
 """
 

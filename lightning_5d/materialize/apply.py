@@ -13,14 +13,18 @@ Step 4 of the design ("build on meta, apply the dimensions, then materialize"):
    device (``_apply``, so FSDP2's DTensor shards are allocated at their local size), then
    the full value of each name this rank holds is recomputed (:mod:`replay`), one tensor
    at a time; the tp/ep/pp splits cut the rank's piece, and an FSDP2 DTensor's own
-   placement its shard. Nothing is sent: every rank recomputes the same full tensor.
+   placement its shard. Nothing is sent: every rank recomputes the same full tensor (in
+   row chunks where :mod:`.chunks` can prove the chunks' values are the whole tensor's).
 
-Peak memory: the rank's share plus one full tensor and the loader's copies of it
-(``group_bytes`` > 0 batches tensors into fewer, larger loads).
+Peak memory: the rank's share plus one row chunk (``chunk_bytes``, 1 MiB) for tensors whose
+recorded history is chunkable (:mod:`.chunks`: factories, ``uniform_`` / ``normal_`` and the
+``nn.init`` functions built on them, element-wise fills and scales); plus one full tensor for any
+other (``trunc_normal_``, ``orthogonal_``, a copy from another tensor).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -28,9 +32,11 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from lightning_5d.materialize.chunks import CHUNK_BYTES, fill_region
 from lightning_5d.materialize.heap import release_freed_memory
 from lightning_5d.materialize.record import InitLog, Ref, recording
 from lightning_5d.materialize.replay import Replay
+from lightning_5d.parallel.regions import dtensor_region, local_tensor, splits_region
 
 _WRAPPED = "_checkpoint_wrapped_module."  # activation checkpointing's wrapper (state dicts drop it)
 
@@ -138,12 +144,16 @@ def materialize(
     refs: Mapping[str, Ref],
     device: torch.device,
     splits: Sequence[Any],
-) -> int:
-    """Allocate this rank's pieces on ``device`` and fill them; returns the number of names filled.
+    chunk_bytes: int = CHUNK_BYTES,
+) -> tuple[int, int]:
+    """Allocate this rank's pieces on ``device`` and fill them; returns the number of names
+    filled, and of those how many in row chunks.
 
     ``splits``: the tp / ep / pp objects (``local_state``: full tensors -> this rank's pieces,
     no communication). An FSDP2 shard is then cut from the piece where its DTensor says, so no
-    rank sends anything: every rank recomputes the same full tensor.
+    rank sends anything: every rank recomputes the same full tensor. A tensor above
+    ``chunk_bytes`` whose recorded history is chunkable (:mod:`.chunks`) is recomputed in row
+    chunks of that size instead, keeping each chunk's part of the rank's region.
     """
     state = module.state_dict(keep_vars=True)
     persistent = [k for k, v in state.items() if isinstance(v, Tensor) and v.is_meta]
@@ -163,7 +173,11 @@ def materialize(
     replay = Replay(log)
     # The replay sets the generator before each draw; the user's stream is left as it was.
     with torch.random.fork_rng(devices=[]), torch.no_grad():
+        chunked = 0
         for name in persistent:
+            if _fill_in_chunks(name, targets[name], log, refs[name], replay, splits, chunk_bytes):
+                chunked += 1
+                continue
             piece = replay.value(refs[name])
             for split in splits:
                 piece = split.local_state({name: piece})[name]
@@ -173,7 +187,27 @@ def materialize(
         for name in buffers:
             _fill(name, live[name], replay.value(refs[name.replace(_WRAPPED, "")]))
     release_freed_memory()
-    return len(persistent) + len(buffers)
+    return len(persistent) + len(buffers), chunked
+
+
+def _fill_in_chunks(
+    name: str, target: Tensor, log: InitLog, ref: Ref, replay: Replay, splits: Sequence[Any], chunk_bytes: int
+) -> bool:
+    """Fill ``target`` with its region of the recorded value one row chunk at a time, if the
+    tensor is big enough to matter and its history is chunkable; False: the caller recomputes it whole."""
+    full = math.prod(ref.size) * ref.dtype.itemsize
+    if full <= chunk_bytes or not all(hasattr(s, "local_region") for s in splits):
+        return False
+    start = replay.start(ref.key)
+    if start is None:
+        return False
+    region = dtensor_region(splits_region(name, ref.size, splits), target)
+    local = local_tensor(target)
+    if tuple(local.shape) != region.local_shape or local.dtype != ref.dtype:
+        return False  # a cut the regions do not describe: the whole tensor's path reports it
+    # The chunks are computed on CPU (the kernels whose draw order the values follow) and
+    # copied into the rank's tensor, on its device, piece by piece.
+    return fill_region(log, ref, start, region, local, chunk_bytes)
 
 
 def _shared_parameters(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:

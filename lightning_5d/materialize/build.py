@@ -8,15 +8,19 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from lightning_5d.materialize.chunks import CHUNK_BYTES
 from lightning_5d.materialize.apply import capture, has_meta, materialize, to_device_except_meta
 from lightning_5d.materialize.record import InitLog, Ref, recording
 
 
 class MetaBuild:
-    def __init__(self, log: InitLog) -> None:
+    def __init__(self, log: InitLog, chunk_bytes: int = CHUNK_BYTES) -> None:
         self.log = log
+        # Tensors above this are recomputed in row chunks of this size (materialize/chunks.py).
+        self.chunk_bytes = chunk_bytes
         self.refs: dict[str, Ref] | None = None  # set by capture() when the model has meta tensors
         self.filled = 0  # names materialized on this rank
+        self.chunked = 0  # of those, recomputed in row chunks
 
     @property
     def active(self) -> bool:
@@ -59,6 +63,7 @@ class MetaBuild:
         for dim in dims:  # tp / ep / pp took their device from the (meta) parameters they were given
             if dim is not None and getattr(dim, "device", None) is not None and dim.device.type == "meta":
                 dim.device = device
-        self.filled = materialize(module, self.log, self.refs, device, [d for d in dims if d is not None])
+        self.filled, self.chunked = materialize(module, self.log, self.refs, device, [d for d in dims if d is not None],
+                                  chunk_bytes=self.chunk_bytes)  # fmt: skip
         self.refs = None  # done: a later fit/validate on this Trainer keeps the trained weights
         self.log = InitLog()  # the recording's storages and draw states are no longer needed

@@ -51,6 +51,10 @@ class Replay:
             return f"it is created by torch.{op.name} and never written"
         return None
 
+    def start(self, key: int) -> int | None:
+        """The index of the call the storage's final contents start from (its creation or last full overwrite)."""
+        return self._start(key, self.log.history.get(key, []))
+
     def _start(self, key: int, history: list[int]) -> int | None:
         for i in reversed(history):
             op = self.log.ops[i]

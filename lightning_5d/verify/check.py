@@ -48,6 +48,7 @@ from lightning_5d.verify.probe import (
     probe_seq_len,
     run_probe,
 )
+from lightning_5d.verify.probe_memory import drop_kept_gather, probe_settings
 from lightning_5d.verify.rerun import ParallelGrads, unit_owners
 from lightning_5d.verify.skeleton import Piece, PieceKind, materialize, take_skeleton, tensor_names
 
@@ -160,6 +161,10 @@ class PlanCheck:
         # RSS grew by about every unit of the model. Give them back as each unit finishes, so the
         # probe holds one gathered unit (plus those FSDP2 keeps: the last block, the head's).
         trims = [m.register_forward_hook(_release_after_unit) for m in module.modules() if isinstance(m, FSDPModule)]
+        # The probe holds the rank's share plus one unit's gather (FSDP2's buffer and unsharded
+        # copy) at a time: every unit reshards after its forward and, on CPU, drops the buffer
+        # FSDP2 keeps for the next unit (probe_memory.py); training's settings come back after.
+        settings = probe_settings([m for m in module.modules() if isinstance(m, FSDPModule)])
         failure: ProbeError | None = None
         try:
             run_probe(module, batch, self._forward(call, cp, pp, precision))
@@ -169,6 +174,7 @@ class PlanCheck:
             recorder.remove()
             for handle in trims:
                 handle.remove()
+            settings.restore()
             for m, training in modes.items():
                 m.training = training
             # A forward with no backward leaves FSDP2's root unit gathered (the root keeps its
@@ -404,7 +410,8 @@ class _NotComparable(Exception):
     """A piece whose reference cannot run on the gathered inputs (reported, not a mismatch)."""
 
 
-def _release_after_unit(_module: nn.Module, _args: Any, _output: Any) -> None:
+def _release_after_unit(module: nn.Module, _args: Any, _output: Any) -> None:
     # Runs after FSDP2's own post-forward hook (registered at fully_shard, before this one),
-    # which has already freed the unit's gathered parameters.
+    # which has already freed the unit's gathered parameters (the probe reshards every unit).
+    drop_kept_gather(module)
     release_freed_memory()

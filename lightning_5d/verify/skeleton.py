@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from enum import Enum
-from typing import Mapping
+from typing import MutableMapping
 
 import torch
 from torch import Tensor, nn
@@ -119,23 +119,30 @@ def tensor_names(module: nn.Module) -> list[str]:
     return names + [n for n, _ in module.named_buffers(remove_duplicate=False)]
 
 
-def materialize(piece: Piece, full: Mapping[str, Tensor], device: torch.device, trainable: bool = False) -> nn.Module:
+def materialize(
+    piece: Piece, full: MutableMapping[str, Tensor], device: torch.device, trainable: bool = False
+) -> nn.Module:
     """The unparallelized piece in fp32 on ``device``, holding the full tensors ``full`` (by name);
-    ``trainable``: its parameters require gradients as the model's did (for the backward check)."""
-    reference = copy.deepcopy(piece.copy).to_empty(device=device)
+    ``trainable``: its parameters require gradients as the model's did (for the backward check).
+
+    ``full`` must own its tensors (fresh gathers or copies, as :func:`~.gather.full_weights`
+    gives): each is taken out of it and placed in the piece as it is, so the gathered weights
+    exist once, in the piece, and go with it (no empty copy of the piece is allocated first).
+    """
+    reference = copy.deepcopy(piece.copy)  # on meta: every tensor is replaced below
     with torch.no_grad():
         for name in tensor_names(reference):
             owner_path, _, leaf = name.rpartition(".")
             owner = reference.get_submodule(owner_path)
-            value = full[name].to(device)
+            value = full.pop(name).to(device)
             if value.is_floating_point():
                 value = value.float()
             current = getattr(owner, leaf)
             if isinstance(current, nn.Parameter):
                 wanted = trainable and current.requires_grad and value.is_floating_point()
-                setattr(owner, leaf, nn.Parameter(value.clone(), requires_grad=wanted))
+                setattr(owner, leaf, nn.Parameter(value, requires_grad=wanted))
             else:
-                setattr(owner, leaf, value.clone())
+                setattr(owner, leaf, value.clone())  # a buffer may be the live one (small: rotary tables)
     # Eval mode whatever mode the copy was taken in (a module is built in training mode): the probe
     # runs the parallel model in eval mode, so dropout is off on both sides.
     return reference.eval()

@@ -20,19 +20,21 @@ from lightning_5d.models import LlamaLM
 STEPS = 3
 
 # (nproc, zero, tp, pp, build, extra script args)
+# --chunk-bytes: the tiny model's tensors recomputed in row chunks, each rank keeping its FSDP2
+# rows (and under tp its column / row cut, fused segments included) of each chunk.
 FAST = [
-    (2, 3, 1, 1, "configure", ()),
-    (2, 1, 2, 1, "meta", ("--sp",)),  # SP: its norms' tp-sum hooks must survive materialization
+    (2, 3, 1, 1, "configure", ("--chunk-bytes", "4096")),
+    (2, 1, 2, 1, "meta", ("--sp", "--chunk-bytes", "1000")),  # SP: its norms' tp-sum hooks must survive materialization
     (2, 1, 1, 2, "meta", ("--microbatches", "2")),
 ]
 EXTENDED = [
     (2, 3, 1, 1, "meta", ()),
-    (4, 3, 2, 1, "meta", ()),  # tp x ZeRO-3
+    (4, 3, 2, 1, "meta", ("--chunk-bytes", "2048")),  # tp x ZeRO-3
     (2, 1, 1, 1, "meta", ("--cp", "2")),
     (2, 2, 1, 1, "meta", ()),
     (4, 3, 2, 2, "configure", ("--microbatches", "2")),  # tp x pp x ZeRO-3, built in configure_model
-    (2, 1, 1, 1, "meta", ("--ep", "2", "--model", "tiny_moe")),
-    (4, 3, 1, 2, "meta", ("--microbatches", "2")),  # pp x ZeRO-3: materialized before pp's FSDP2 lazy init
+    (2, 1, 1, 1, "meta", ("--ep", "2", "--model", "tiny_moe", "--chunk-bytes", "2048")),
+    (4, 3, 1, 2, "meta", ("--microbatches", "2", "--chunk-bytes", "2048")),  # pp x ZeRO-3: materialized before pp's FSDP2 lazy init
     (8, 1, 2, 2, "meta", ("--sp", "--cp", "2", "--microbatches", "2")),  # tp+sp x cp x pp
     # all five: dp2 x tp2 x cp2 x pp2 with ep2 over dp x cp, ZeRO-3
     (16, 3, 2, 2, "meta", ("--cp", "2", "--ep", "2", "--model", "tiny_moe", "--microbatches", "2")),
@@ -59,6 +61,8 @@ def check(runs, nproc, zero, tp, pp, build, extra):
     assert (result["layout"]["tp"], result["layout"]["pp"], result["layout"]["zero"]) == (tp, pp, zero)
     model = extra[extra.index("--model") + 1] if "--model" in extra else "tiny"
     cp = int(extra[extra.index("--cp") + 1]) if "--cp" in extra else 1
+    if "--chunk-bytes" in extra:  # the chunked way was taken (and its values are the ones compared below)
+        assert all(rank["chunked"] > 0 for rank in result["model_state_bytes"])
     ref_losses, ref_params = reference_run(STEPS, nproc // (tp * pp * cp), model=model)
     assert_equivalent(result["losses"], params, ref_losses, ref_params)
 

@@ -77,17 +77,29 @@ class TensorShard:
         return torch.cat([part.chunk(size, dim=self.dim)[rank] for part in parts], dim=self.dim)
 
     def assemble(self, locals_: list[Tensor]) -> Tensor:
+        """The full tensor from every rank's piece (in rank order), written once into one output
+        (nested ``cat`` calls held a second and third full-size copy)."""
         size = len(locals_)
         full_size = locals_[0].size(self.dim) * size
         per_rank = [p // size for p in self._pieces(full_size)]
-        split = [t.split(per_rank, dim=self.dim) for t in locals_]
-        return torch.cat([torch.cat([s[i] for s in split], dim=self.dim) for i in range(len(per_rank))], dim=self.dim)
+        shape = list(locals_[0].shape)
+        shape[self.dim] = full_size
+        out = torch.empty(shape, dtype=locals_[0].dtype, device=locals_[0].device)
+        start = 0
+        for i, n in enumerate(per_rank):  # segment i: rank r's part of it, then rank r + 1's
+            for t in locals_:
+                out.narrow(self.dim, start, n).copy_(t.narrow(self.dim, sum(per_rank[:i]), n))
+                start += n
+        return out
 
     def gather(self, local: Tensor, group: dist.ProcessGroup, device: torch.device) -> Tensor:
         size = dist.get_world_size(group)
         local_dev = local.to(device).reshape(-1)
         buf = torch.empty(size * local_dev.numel(), dtype=local.dtype, device=device)
         dist.all_gather_single(buf, local_dev, group=group)
+        if self.dim == 0 and len(self._pieces(local.size(0) * size)) == 1:
+            # The pieces in rank order along dim 0 are the full tensor, as gathered.
+            return buf.view(size * local.size(0), *local.shape[1:]).to(local.device)
         return self.assemble([t.view(local.shape) for t in buf.chunk(size)]).to(local.device)
 
 

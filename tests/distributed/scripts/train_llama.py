@@ -64,6 +64,8 @@ parser.add_argument(
     help="eager: in __init__; meta: under trainer.init_module(empty_init=True); configure: in configure_model",
 )
 parser.add_argument("--verify", default="blocks", choices=["blocks", "off"])
+parser.add_argument("--chunk-bytes", type=int, default=None,
+                    help="meta builds: recompute tensors above this many bytes in row chunks of this size")
 parser.add_argument("--pretrained", default=None, help="FiveDStrategy(pretrained=...); loaded.pt: the state it loaded")
 parser.add_argument("--out", required=True)
 
@@ -146,6 +148,8 @@ def run(args: argparse.Namespace) -> None:
             verify=args.verify,
             pretrained=args.pretrained,
         )
+        if args.chunk_bytes is not None:  # small, so that the tiny model's tensors go the chunked way
+            strategy._meta.chunk_bytes = args.chunk_bytes
 
     measure = MeasureModelState()
     logged_losses = RecordLogged()
@@ -219,6 +223,7 @@ def run(args: argparse.Namespace) -> None:
         "logged_losses": [float(x) for x in logged_losses.losses],
         "val_loss": float(trainer.callback_metrics["val_loss"]) if "val_loss" in trainer.callback_metrics else None,
     }
+    record["chunked"] = strategy._meta.chunked  # names materialized in row chunks (--chunk-bytes)
     if args.pp > 1:
         record["peak_in_flight"] = strategy._pp.times.peak_in_flight
         record["bubble"] = float(trainer.callback_metrics["pp_bubble"])
