@@ -90,6 +90,15 @@ class PieceResult:
     # Each parameter's gradient (full path) after one backward of the piece, against the
     # reference piece's; empty where gradients were not compared (verify="outputs").
     grads: tuple[tuple[str, Difference], ...] = ()
+    # The gradients' own tolerance (None: ``tolerance``). A backward in bf16 rounds once more per
+    # product it accumulates: a correct plan's weight gradients on the reference model under bf16
+    # mixed were 0.050-0.055 off the fp32 reference (outputs 0.034), a wrong one (a skipped tp
+    # sum, a wrong cut) 0.5 or more.
+    grad_tolerance: float | None = None
+
+    @property
+    def gradient_tolerance(self) -> float:
+        return self.tolerance if self.grad_tolerance is None else self.grad_tolerance
 
     @property
     def failed(self) -> bool:
@@ -99,7 +108,7 @@ class PieceResult:
         return [(path, d) for path, d in self.parts if d.exceeds(self.tolerance)]
 
     def failed_grads(self) -> list[tuple[str, Difference]]:
-        return [(path, d) for path, d in self.grads if d.exceeds(self.tolerance)]
+        return [(path, d) for path, d in self.grads if d.exceeds(self.gradient_tolerance)]
 
     def worst_relative(self) -> float:
         """The largest relative error of the output and every gradient (for the summary)."""
@@ -110,9 +119,9 @@ class PieceResult:
             bad = self.failed_grads()
             lines = [f"{self.name} ({self.path}): the output matches ({self.output.text()}), but after one backward "
                      f"of the piece {len(bad)} of its {len(self.grads)} parameter gradients do not "
-                     f"(tolerance {self.tolerance:g}):"]  # fmt: skip
+                     f"(tolerance {self.gradient_tolerance:g}):"]  # fmt: skip
             lines += [f"    gradient of {path}: {d.text()}" for path, d in bad]
-            good = [path for path, d in self.grads if not d.exceeds(self.tolerance)]
+            good = [path for path, d in self.grads if not d.exceeds(self.gradient_tolerance)]
             if good:
                 lines.append(f"    matching gradients: {', '.join(good)}")
             return "\n".join(lines)

@@ -106,9 +106,17 @@ def full_weights(live: nn.Module, prefix: str, names: Iterable[str], tp: Any | N
         # Owned by the caller (the reference piece takes it as it is): a gather is a fresh
         # tensor already; the rank's own tensor (unsharded, or replicated) is copied, so the
         # live one stays apart.
-        shared = value.untyped_storage().data_ptr() == live_value.untyped_storage().data_ptr()
-        out[name] = value.clone() if shared else value
+        out[name] = value.clone() if _may_share_storage(value, live_value) else value
     return out
+
+
+def _may_share_storage(value: Tensor, live: Tensor) -> bool:
+    """Whether ``value`` may be the live tensor's memory. A wrapper subclass (FP8 weights under
+    FSDP2) has no plain storage to compare: counted as shared, so it is copied."""
+    try:
+        return value.untyped_storage().data_ptr() == live.untyped_storage().data_ptr()
+    except RuntimeError:
+        return True
 
 
 def _full_tensor(value: DTensor) -> Tensor:

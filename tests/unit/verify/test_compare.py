@@ -96,3 +96,15 @@ def test_a_sub_layer_that_returns_only_its_update_is_measured_against_that_updat
     d = difference(update.flip(-1), update, residual_input=x)
     assert d.relative == pytest.approx(float((update.flip(-1) - update).norm() / update.norm()), rel=1e-6)
     assert d.exceeds(tolerance_for(torch.bfloat16))  # against ‖update − x‖ it would be ~1e-3
+
+
+def test_gradients_in_reduced_precision_get_their_own_tolerance():
+    from lightning_5d.verify.compare import Difference, PieceResult
+
+    output = Difference(0.001, 0.03)
+    grads = (("w", Difference(0.002, 0.055)),)
+    assert PieceResult("block 0", "layers.0", output, 0.05, grads=grads).failed  # one tolerance for both
+    loose = PieceResult("block 0", "layers.0", output, 0.05, grads=grads, grad_tolerance=0.1)
+    assert not loose.failed
+    halved = (("w", Difference(0.2, 0.5)),)  # a skipped tp sum: half the gradient
+    assert PieceResult("block 0", "layers.0", output, 0.05, grads=halved, grad_tolerance=0.1).failed
