@@ -293,7 +293,7 @@ def confirm_wrong_losses(cells: list[dict], root: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="results folder (a rerun resumes it)")
-    parser.add_argument("--models", default=",".join(zoo.MODELS))
+    parser.add_argument("--models", default=",".join([*zoo.MODELS, *zoo.VARIANTS]))
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"of: {', '.join(LAYOUTS)}")
     parser.add_argument("--cell-limit", type=float, default=90.0, help="seconds per cell at 2 processes before "
                         "it counts as hung (scaled with the process count)")  # fmt: skip
