@@ -19,7 +19,7 @@ Also, per kind of stage computation (F: forward; B: full backward; Bi: input-gra
 and W: weight-gradient backward, for the split-backward schedules), the number of calls, their
 wall time and the CPU time of the rank's main thread in them (``time.thread_time``; with one
 intra-op thread, CPU autograd runs the backward on the calling thread). For that the worker
-wraps the three methods of ``lightning_5d.parallel.pipeline.stages._Stage`` that time ``busy_s``,
+wraps the three methods of ``lightning_5d.parallel.pipeline.stage.TimedStage`` that time ``busy_s``,
 calling them unchanged; their wall times add up to ``busy_s``. ``busy_s / busy_cpu_s`` is how
 much the stage computations were stretched by waiting for a core: about 1 on a core of one's
 own, up to ~2 with two ranks per core, more when other work shares the machine. And the main
@@ -73,9 +73,9 @@ class StageComputeMeter:
         self.cpu = {k: 0.0 for k in KINDS}
 
     def _hook(self) -> bool:
-        from lightning_5d.parallel.pipeline import stages as pipeline
+        from lightning_5d.parallel.pipeline import stage as pipeline
 
-        stage = getattr(pipeline, "_Stage", None)
+        stage = getattr(pipeline, "TimedStage", None)
         names = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
         if stage is None or not all(name in vars(stage) for name in names):
             return False

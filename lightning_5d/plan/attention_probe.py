@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from lightning_5d.module_mode import eval_mode
 from lightning_5d.plan import kinds
 from lightning_5d.plan.hints import BlockHints
 
@@ -92,7 +93,7 @@ def observe_attention(root: nn.Module, blocks_path: str, run) -> dict[int, Obser
     blocks = list(root.get_submodule(blocks_path).children())
     records = [_Block() for _ in blocks]
     stack: list[tuple[int, str]] = []
-    with _hooks(blocks, records, stack), _eval(root), torch.enable_grad(), _Watch(records, stack):
+    with _hooks(blocks, records, stack), eval_mode(root), torch.enable_grad(), _Watch(records, stack):
         ran = run()
     if not ran:
         return {}
@@ -153,16 +154,6 @@ def _leaf_of(record: _Block, path: str):
 
     return hook
 
-
-@contextmanager
-def _eval(root: nn.Module) -> Iterator[None]:
-    modes = {m: m.training for m in root.modules()}
-    root.eval()
-    try:
-        yield
-    finally:
-        for m, training in modes.items():
-            m.training = training
 
 
 def _sources(record: _Block, t: Tensor) -> dict[str, set[int]]:

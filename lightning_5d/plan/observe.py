@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
+from lightning_5d.module_mode import eval_mode
 from lightning_5d.plan import paths, shape_sites
 from lightning_5d.plan.loose_params import loose_parameter_uses
 from lightning_5d.plan.model_plan import AttentionPlan, ColumnLayout, LooseParam, MLPPlan, ModelPlan, Projection
@@ -54,13 +55,13 @@ def observe(root: nn.Module, plan: ModelPlan) -> ModelPlan:
         return _noted(plan, "fused projection layouts not observed (weights on the meta device); assumed")
     plan = _observe_positions(root, plan)
     plan = replace(plan, loose_params=_loose_params(root, plan))
-    with _eval(root):
+    with eval_mode(root):
         plan = shape_sites.observe_sites(root, plan, lambda shape: _run(root, plan, shape))
     targets = _targets(plan)
     if not targets:
         return plan
     captures = {key: _Capture() for key in targets}
-    with _hooks(root, plan, targets, captures), _eval(root), torch.enable_grad():
+    with _hooks(root, plan, targets, captures), eval_mode(root), torch.enable_grad():
         _run(root, plan)
     if all(c.fused is None for c in captures.values()):
         return _noted(plan, "fused projection layouts not observed (the model did not run on token ids); assumed")
@@ -144,17 +145,6 @@ def _first_input(capture: _Capture) -> Callable:
     return hook
 
 
-@contextmanager
-def _eval(root: nn.Module) -> Iterator[None]:
-    """Eval mode (no dropout zeroing dependencies) for the probe; every module's mode restored after."""
-    modes = {m: m.training for m in root.modules()}
-    root.eval()
-    try:
-        yield
-    finally:
-        for m, training in modes.items():
-            m.training = training
-
 
 def _observe_positions(root: nn.Module, plan: ModelPlan) -> ModelPlan:
     """``plan`` with where a model without a ``position_ids`` input reads its positions
@@ -164,7 +154,7 @@ def _observe_positions(root: nn.Module, plan: ModelPlan) -> ModelPlan:
     run, chain = _runner(root, plan)
     if run is None:
         return plan
-    with _eval(root), torch.enable_grad():  # grad on: nn.TransformerEncoderLayer's fused fast path stays off
+    with eval_mode(root), torch.enable_grad():  # grad on: nn.TransformerEncoderLayer's fused fast path stays off
         reads = observe_reads(root, plan.embedding, run)
     if reads is None:
         return plan
@@ -186,7 +176,7 @@ def _runner(root: nn.Module, plan: ModelPlan) -> tuple[Callable[[Tensor], Tensor
     probe = torch.zeros(1, 8, dtype=torch.long, device=device)
     for module in _ancestors_of_blocks(root, plan):
         try:
-            with _eval(root), torch.no_grad():
+            with eval_mode(root), torch.no_grad():
                 out = _first_tensor(module(probe))
         except Exception:  # noqa: BLE001 - this module does not take token ids
             continue

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
+from lightning_5d.module_mode import eval_mode
 from lightning_5d.config import ParallelConfig, VerifyMode, ZeroStage
 from lightning_5d.materialize.heap import release_freed_memory
 from lightning_5d.parallel.pipeline import PipelineMode
@@ -154,8 +155,6 @@ class PlanCheck:
             recorder.watch(piece.path, live, inputs=True)
             for inner, _ in inner_paths(piece):
                 recorder.watch(f"{piece.path}.{inner}", live.get_submodule(inner), inputs=False)
-        modes = {m: m.training for m in module.modules()}
-        module.eval()  # dropout off on both sides: the reference pieces are compared in eval mode too
         # Each ZeRO-3 unit's gathered parameters are freed after its forward, but glibc keeps those
         # below its mmap threshold (a block's 25 MiB matrices) for reuse, scattered over its arenas:
         # RSS grew by about every unit of the model. Give them back as each unit finishes, so the
@@ -167,7 +166,9 @@ class PlanCheck:
         settings = probe_settings([m for m in module.modules() if isinstance(m, FSDPModule)])
         failure: ProbeError | None = None
         try:
-            run_probe(module, batch, self._forward(call, cp, pp, precision))
+            # Dropout off on both sides: the reference pieces run in eval mode too.
+            with eval_mode(module):
+                run_probe(module, batch, self._forward(call, cp, pp, precision))
         except ProbeError as err:
             failure = err  # decided together below: under pp it may have failed on one stage only
         finally:
@@ -175,8 +176,6 @@ class PlanCheck:
             for handle in trims:
                 handle.remove()
             settings.restore()
-            for m, training in modes.items():
-                m.training = training
             # A forward with no backward leaves FSDP2's root unit gathered (the root keeps its
             # parameters for the backward it expects); training's first step would then compute
             # with, and put its gradients on, that stale gathered copy (seen under tp+SP x ZeRO-3).

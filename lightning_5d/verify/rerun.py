@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from lightning_5d.module_mode import eval_mode
 from lightning_5d.verify.grads import local_grads, summed
 
 
@@ -54,19 +55,13 @@ class ParallelGrads:
 
         A collective (ZeRO-3 gathers, tp/cp inside the piece, the sums): every rank holding the
         piece calls it in the same order."""
-        modes = {m: m.training for m in live.modules()}
-        live.eval()  # as in the probe: dropout off
-        try:
-            with gathered(live, self.owners):
-                params = dict(live.named_parameters())
-                if any(isinstance(params[n], DTensor) for n in names):
-                    return None
-                with self.context(), torch.enable_grad():
-                    # The backward inside the context too: activation checkpointing recomputes there.
-                    grads = local_grads(rerun(live, args, kwargs), [params[n] for n in names])
-        finally:
-            for m, training in modes.items():
-                m.training = training
+        with eval_mode(live), gathered(live, self.owners):  # eval as in the probe: dropout off
+            params = dict(live.named_parameters())
+            if any(isinstance(params[n], DTensor) for n in names):
+                return None
+            with self.context(), torch.enable_grad():
+                # The backward inside the context too: activation checkpointing recomputes there.
+                grads = local_grads(rerun(live, args, kwargs), [params[n] for n in names])
         # Under ZeRO-3 training sums tp's partial gradients after the backward (FSDP2's parameters carry no hooks).
         partial = self.tp.sequence_partial if self.tp is not None and self.zero3 else ()
         return summed(dict(zip(names, grads)), prefix, self.tp, self.cp, partial)

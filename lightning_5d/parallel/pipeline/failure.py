@@ -5,7 +5,7 @@ point-to-point receive, and they see the process group's timeout instead of the 
 Two pieces keep every rank moving instead:
 
 * a rank whose stage raised keeps its place in the schedule: its remaining forwards and
-  backwards are stand-ins (zero activations, no gradients; ``stages._Stage``), so every
+  backwards are stand-ins (zero activations, no gradients; ``stage.TimedStage``), so every
   send and receive the schedule posts still happens and its peers finish the run;
 * at the end of the run every rank of the world joins one all-reduce of a failure flag
   (:meth:`StepFailures.agree`); when it is set, every rank raises: the failing rank its own

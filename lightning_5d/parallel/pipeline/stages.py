@@ -31,7 +31,7 @@ import functools
 import inspect
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable, Generator
 
@@ -39,7 +39,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from lightning.fabric.utilities.apply_func import apply_to_collection
-from torch.distributed.pipelining import PipelineStage
 
 from lightning_5d.materialize.apply import placement_device
 from lightning_5d.config import PipelineConfig, PipelineSchedule
@@ -52,6 +51,7 @@ from lightning_5d.pipeline_shape import (
     local_stages,
     stage_ranks,
 )
+from lightning_5d.plan import paths
 from lightning_5d.plan.model_plan import LooseParam, ModelPlan, Phase
 
 from .batch import (
@@ -63,6 +63,7 @@ from .batch import (
     merge_step_outputs,
     split_microbatches,
 )
+from .stage import StageTimes, TimedStage
 from .failure import StepFailures
 from .forward_only import ForwardOnlyOutcome, ForwardOnlyRun, raise_failure
 from .schedule import schedule_class
@@ -136,110 +137,6 @@ class StageSpec:
     blocks: range
     is_first: bool
     is_last: bool
-
-
-@dataclass
-class StageTimes:
-    """Per-rank timings of one pipeline run: compute inside the stages vs the whole run.
-
-    Wall-clock time: a rank waiting for a CPU core inside a computation counts as busy, so
-    with more ranks than cores the bubble reads low (benchmarks/RESULTS.md, pipeline_bubble).
-    """
-
-    busy_s: float = 0.0
-    wall_s: float = 0.0
-    peak_in_flight: dict[int, int] = field(default_factory=dict)  # stage -> most microbatches held
-
-    @property
-    def bubble(self) -> float:
-        return max(0.0, 1.0 - self.busy_s / self.wall_s) if self.wall_s > 0 else 0.0
-
-
-class _Stage(PipelineStage):
-    """torch's stage, plus the microbatch index the forward is for, timings, and stand-ins after a failure.
-
-    Once a forward or backward on this rank raised (recorded in ``runtime.failures``), every
-    later computation of the run on this rank is a stand-in: a forward leaves a zero activation
-    (zero loss on the last stage) where torch's sends read it, a backward leaves no input
-    gradient (torch sends zeros for it). The schedule's sends and receives all still happen, so
-    the peers finish the run and learn of the failure at its end (:mod:`.failure`). The normal
-    path pays one attribute test per computation.
-    """
-
-    def __init__(self, *args: Any, runtime: "PipelineParallel", **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._runtime = runtime
-        self._held = 0
-
-    def _timed(self, fn: Callable[[], Any]) -> Any:
-        start = time.perf_counter()
-        try:
-            return fn()
-        finally:
-            self._runtime.times.busy_s += time.perf_counter() - start
-
-    def forward_one_chunk(self, fwd_chunk_id: int, args, kwargs=None, save_forward_output: bool = True):
-        failures = self._runtime.failures
-        if not failures.failed:
-            self._runtime.current_microbatch[self.stage_index] = fwd_chunk_id
-            try:
-                out = self._timed(
-                    lambda: super(_Stage, self).forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
-                )
-            except Exception as err:  # noqa: BLE001 - raised on every rank at the run's end (failure.py)
-                failures.record(err, self.stage_index, fwd_chunk_id)
-            else:
-                if self.has_backward:
-                    self._held += 1
-                    peaks = self._runtime.times.peak_in_flight
-                    peaks[self.stage_index] = max(peaks.get(self.stage_index, 0), self._held)
-                return out
-        return self._stand_in_forward(fwd_chunk_id, save_forward_output)
-
-    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
-        failures = self._runtime.failures
-        if not failures.failed:
-            self._held -= 1
-            try:
-                return self._timed(
-                    lambda: super(_Stage, self).backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
-                )
-            except Exception as err:  # noqa: BLE001 - as in forward_one_chunk
-                failures.record(err, self.stage_index, bwd_chunk_id)
-        self._stand_in_backward(bwd_chunk_id, full_backward)
-
-    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
-        failures = self._runtime.failures
-        if not failures.failed:
-            try:
-                return self._timed(
-                    lambda: super(_Stage, self).backward_weight_one_chunk(bwd_chunk_id, last_backward)
-                )
-            except Exception as err:  # noqa: BLE001 - as in forward_one_chunk
-                failures.record(err, self.stage_index, bwd_chunk_id)
-        self.dw_runner.pop(bwd_chunk_id, None)
-        self.backward_state.pop(bwd_chunk_id, None)
-
-    def _stand_in_forward(self, chunk: int, save_forward_output: bool) -> Tensor:
-        """What torch's forward would leave behind, without running the user's step: the output
-        its sends (or the loss function, on the last stage) read, and a cache entry for the backward."""
-        shape, dtype = self._runtime._activation_meta
-        if self.is_last:
-            out = torch.zeros((), device=self.device)
-            if save_forward_output:
-                self.output_chunks.append(out)
-        else:
-            out = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.fwd_cache[chunk] = ((out,), [])
-        return out
-
-    def _stand_in_backward(self, chunk: int, full_backward: bool) -> None:
-        """No gradient for the previous stage (torch sends zeros in its place); nothing for the weights."""
-        self.fwd_cache.pop(chunk, None)  # the graph of a forward that ran before the failure
-        if not self.is_first:
-            self.bwd_cache[chunk] = (None,)  # one activation in: the stage's only input
-        if not full_backward:
-            self.dw_runner[chunk] = lambda: None  # the schedule's W action for this chunk comes next
 
 
 class PipelineParallel:
@@ -585,7 +482,7 @@ class PipelineParallel:
             stages = []
             for spec in self.specs:
                 stages.append(
-                    _Stage(
+                    TimedStage(
                         self._stage_modules[spec.index],
                         spec.index,
                         self.num_stages,
@@ -686,7 +583,7 @@ def _loose_by_stage(module: nn.Module, plan: ModelPlan) -> tuple[list[str], list
     head). Any other one is refused, with when it was read."""
     known = [plan.blocks, *(p for p in (plan.embedding, plan.position_embedding, plan.final_norm, plan.head) if p)]
     stray = [
-        name for name, _ in module.named_parameters() if not any(name == k or name.startswith(k + ".") for k in known)
+        name for name, _ in module.named_parameters() if not any(paths.is_within(name, k) for k in known)
     ]
     observed = {p.name: p for p in plan.loose_params}
     first = [n for n in stray if n in observed and observed[n].phase is Phase.BEFORE]

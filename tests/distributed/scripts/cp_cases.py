@@ -133,23 +133,10 @@ class InlineRope(nn.Module):
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
 
-class ArangePositionsModel(CacheModel):
-    def __init__(self):
-        super().__init__()
-        self.rotary = InlineRope(H // HEADS)
-
-    def forward(self, input_ids):
-        h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(h)
-        for layer in self.layers:
-            h = layer(h, cos, sin)
-        return self.lm_head(self.norm(h))
-
-
 class HiddenPositionsModel(CacheModel):
-    def __init__(self):
+    def __init__(self, rotary: type[nn.Module] = Rope):
         super().__init__()
-        self.rotary = Rope(H // HEADS)
+        self.rotary = rotary(H // HEADS)
 
     def forward(self, input_ids):
         h = self.embed_tokens(input_ids)
@@ -273,7 +260,7 @@ elif args.case == "manual":
 elif args.case in ("hf_two_models", "hf_positional_mask"):
     module = TwoModels(padding_mask=args.case == "hf_positional_mask")
 elif args.case == "no_positions":
-    module = LM(ArangePositionsModel())
+    module = LM(HiddenPositionsModel(rotary=InlineRope))
 elif args.case == "hidden_cache":
     module = LM(HiddenPositionsModel())
 elif args.case == "explicit_softmax":
