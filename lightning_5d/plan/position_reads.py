@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_5d.config import LayoutError
+from lightning_5d.forward_patch import replace_forward
 
 PROBE_LENGTHS = (8, 12)  # two lengths: a read that follows the sequence length is seen to
 SUBSETS = ((0, 1, 2, 9, 10, 11), (3, 4, 5, 6, 7, 8))  # zig-zag-like shards of 12 positions
@@ -373,17 +374,5 @@ def _tokenwise(root: nn.Module, reads: tuple[PositionRead, ...], run: Runner) ->
 
 
 def _local_wrap(module: nn.Module, sharded: Callable[..., Any]) -> Callable[[], None]:
-    original, had_own = module.forward, "forward" in vars(module)
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        return sharded(original, *args, **kwargs)
-
-    module.forward = forward
-
-    def undo() -> None:
-        if had_own:
-            module.forward = original
-        else:
-            del module.forward
-
-    return undo
+    original = module.forward
+    return replace_forward(module, lambda *args, **kwargs: sharded(original, *args, **kwargs))

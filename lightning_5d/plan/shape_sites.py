@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from lightning_5d.forward_patch import replace_forward
 from lightning_5d.plan import paths
 from lightning_5d.plan.model_plan import AttentionPlan, ModelPlan
 
@@ -195,7 +196,7 @@ def _recording(root: nn.Module, plan: ModelPlan, targets: dict[int, AttentionPla
     undo = []
     for i, att in targets.items():
         module = root.get_submodule(paths.join(plan.block_path(i), att.path))
-        original, had_own = module.forward, "forward" in vars(module)
+        original = module.forward
 
         def forward(*args: Any, _i: int = i, _original: Callable = original, **kwargs: Any) -> Any:
             if _i in records:
@@ -206,13 +207,9 @@ def _recording(root: nn.Module, plan: ModelPlan, targets: dict[int, AttentionPla
             records[_i] = mode.calls
             return out
 
-        module.forward = forward
-        undo.append((module, original, had_own))
+        undo.append(replace_forward(module, forward))
     try:
         yield
     finally:
-        for module, original, had_own in undo:
-            if had_own:
-                module.forward = original
-            else:
-                del module.forward
+        for restore in reversed(undo):
+            restore()

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_5d.config import ContextConfig
+from lightning_5d.forward_patch import replace_forward
 from lightning_5d.parallel.context.batch import SequenceShard
 
 
@@ -44,7 +45,6 @@ class ContextState:
     def wrap_forward(self, module: nn.Module, sharded: Callable[..., Any]) -> None:
         """While a shard is current, ``module.forward(*a, **k)`` runs ``sharded(original_forward, *a, **k)``."""
         original = module.forward
-        had_own = "forward" in vars(module)
 
         @functools.wraps(original)
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -52,15 +52,7 @@ class ContextState:
                 return original(*args, **kwargs)
             return sharded(original, *args, **kwargs)
 
-        module.forward = forward
-
-        def undo() -> None:
-            if had_own:
-                module.forward = original
-            else:
-                del module.forward
-
-        self.undo.append(undo)
+        self.undo.append(replace_forward(module, forward))
 
     def mark_global(self, value: Tensor) -> Tensor:
         """Record a value that is already the sequence-global one (not to be averaged again)."""

@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from lightning_5d.forward_patch import replace_forward
+
 
 class _Captured(Exception):
     def __init__(self, mask: Tensor | None) -> None:
@@ -103,10 +105,7 @@ def wrap_per_head_bias(
             for module in list(attention.modules())[1:]:
                 undo.enter_context(_hooks_off(module))
             for module, width in columns.items():
-                had = "forward" in vars(module)
-                previous = vars(module).get("forward")
-                module.forward = _zeros_of_width(width)
-                undo.callback(_restore(module, had, previous))
+                undo.callback(replace_forward(module, _zeros_of_width(width)))
             try:
                 with _CaptureMask():
                     original(*args, **kwargs)
@@ -138,11 +137,3 @@ def _hooks_off(module: nn.Module) -> Iterator[None]:
         module._forward_pre_hooks, module._forward_hooks = saved
 
 
-def _restore(module: nn.Module, had: bool, previous: Any) -> Callable[[], None]:
-    def undo() -> None:
-        if had:
-            module.forward = previous
-        else:
-            del module.forward
-
-    return undo
