@@ -11,21 +11,27 @@ finds where the positions enter, in ways the shard's positions can be put into:
 * :attr:`PositionReadKind.TABLE_SLICE`: a tensor the model holds (a learned
   ``nn.Parameter``, a sinusoidal buffer) read as its first n rows along one dim
   (``pe[:n]``, ``pos[:, :n]``); the read returns the rows at the given positions instead.
+* :attr:`PositionReadKind.ARANGE`: ``torch.arange(n)`` built inside a module's forward and
+  used otherwise (rotary angles inside each attention, or once at the top of the model); at
+  its call sites (:mod:`lightning_5d.plan.position_aranges`) it becomes the given positions.
 * none at all (NoPE: the causal mask alone orders the tokens).
 
 Observation has two steps, and a model passes only if both do (otherwise it is "not
 observed" and context parallelism refuses it with what to add):
 
 1. **Watch** (two probe lengths, so that a read is seen to follow the length): every
-   ``torch.arange`` output must be the (viewed) input of a position embedding, and every
-   tensor the model holds outside its layers' parameters must be read only as a leading
-   slice of the sequence length along one dim.
+   ``torch.arange`` call site must give the probe's positions (``arange(n)``, possibly shifted
+   by a past length) on both probes, or the same length on both (frequencies, head indices:
+   no positions); one whose outputs all feed a position embedding is that embedding's read.
+   Every tensor the model holds outside its layers' parameters must be indexed only as a
+   leading slice of the sequence length along one dim (used whole, as rotary frequencies are,
+   it carries no position).
 2. **Prove token-wise**: with every ``F.scaled_dot_product_attention`` call replaced by a
    token-local stand-in (each token's ``v + q + k``: no token sees another), the model on a
    subset of the positions, with the reads redirected to those positions, must give the
    rows of those positions of its run on the whole sequence. Anything else that carries a
-   position (rotary angles from ``arange`` inside attention, a ``linspace`` table, a length-
-   dependent scale) or mixes tokens outside attention makes the rows differ.
+   position (a ``linspace`` table, a length-dependent scale, an ``arange`` redirected at the
+   wrong place) or mixes tokens outside attention makes the rows differ.
 
 With those reads redirected, a shard's tokens then compute what they compute in the whole
 sequence, except inside attention, which ring attention makes global.
@@ -45,31 +51,39 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_5d.config import LayoutError
 from lightning_5d.forward_patch import replace_forward
+from lightning_5d.plan import position_aranges
+from lightning_5d.plan.position_aranges import ArangeSite
 
 PROBE_LENGTHS = (8, 12)  # two lengths: a read that follows the sequence length is seen to
-SUBSETS = ((0, 1, 2, 9, 10, 11), (3, 4, 5, 6, 7, 8))  # zig-zag-like shards of 12 positions
+# Zig-zag-like shards of 12 positions, and a contiguous one: the zig-zag pair is symmetric
+# (reversing a shard's positions gives 11 - each), so only the latter shows a reversed range.
+SUBSETS = ((0, 1, 2, 9, 10, 11), (3, 4, 5, 6, 7, 8), (6, 7, 8, 9, 10, 11))
 _RTOL = 1e-4  # the same float32 computation on fewer rows; only blocking order may differ
 
 
 class PositionReadKind(Enum):
     ARANGE_EMBEDDING = "arange_embedding"
     TABLE_SLICE = "table_slice"
+    ARANGE = "arange"
 
 
 @dataclass(frozen=True)
 class PositionRead:
     """One place the forward reads token positions. ``path``: the embedding (ARANGE_EMBEDDING)
-    or the module holding the table (TABLE_SLICE); ``name``/``dim``: the table's attribute and
-    the dim its rows are positions along."""
+    or the module holding the table (TABLE_SLICE) or whose forward calls ``sites`` (ARANGE);
+    ``name``/``dim``: the table's attribute and the dim its rows are positions along."""
 
     kind: PositionReadKind
     path: str
     name: str = ""
     dim: int = 0
+    sites: tuple[ArangeSite, ...] = ()
 
     def describe(self) -> str:
         if self.kind is PositionReadKind.ARANGE_EMBEDDING:
             return f"{self.path or 'the model'} (an embedding of arange(n))"
+        if self.kind is PositionReadKind.ARANGE:
+            return f"{self.path or 'the model'} ({', '.join(s.describe() for s in self.sites)})"
         return f"{self.path + '.' if self.path else ''}{self.name} (rows [:n] along dim {self.dim})"
 
 
@@ -105,6 +119,12 @@ def redirect_reads(
         if read.kind is PositionReadKind.ARANGE_EMBEDDING:
             hook = _embedding_hook(read, positions)
             undo.append(root.get_submodule(read.path).register_forward_pre_hook(hook).remove)
+        elif read.kind is PositionReadKind.ARANGE:
+            keys = frozenset(site.key for site in read.sites)
+            sharded = position_aranges.sites_forward(keys, positions, read.path or "the model")
+            undone = wrap(root.get_submodule(read.path), sharded)
+            if undone is not None:
+                undo.append(undone)
         else:
             owner = root.get_submodule(read.path)
             undone = wrap(owner, _table_forward(owner, read, positions))
@@ -223,10 +243,11 @@ class _Watch(TorchFunctionMode):
     any other use of a buffer (a parameter used otherwise is a weight, e.g. nn.MultiheadAttention's
     in_proj_weight; a table read in a way not seen here fails the token-wise proof)."""
 
-    def __init__(self, tables: dict[int, tuple[str, str, bool]]) -> None:
+    def __init__(self, tables: dict[int, tuple[str, str, bool]], modules: dict[int, str]) -> None:
         super().__init__()
-        self.tables = tables
+        self.tables, self.modules = tables, modules
         self.aranges: list[Tensor] = []
+        self.arange_calls: list[tuple[ArangeSite, str | None]] = []  # per arange: its site and scope
         self.slices: dict[int, set[tuple[int, int]]] = {}  # table id -> {(dim, n)}
         self.other_use: set[int] = set()
 
@@ -235,6 +256,9 @@ class _Watch(TorchFunctionMode):
         out = func(*args, **kwargs)
         if func is torch.arange:
             self.aranges.append(out)
+            frame = position_aranges.caller_frame()
+            site = position_aranges.site_of(frame) if frame is not None else None
+            self.arange_calls.append((site, position_aranges.scope_of(frame, self.modules)))
             return out
         if func is Tensor.__getitem__ and args and id(args[0]) in self.tables:
             found = next(((d, n) for d in range(args[0].dim()) if (n := _leading_slice(args[1], d)) is not None), None)
@@ -245,7 +269,9 @@ class _Watch(TorchFunctionMode):
             return out
         for value in (*args, *kwargs.values()):
             if isinstance(value, Tensor) and id(value) in self.tables and not self.tables[id(value)][2]:
-                if not _metadata(func):
+                # A buffer too short to hold a row per probe position (rotary inv_freq) used whole
+                # carries no position; a longer one used whole could be a table read another way.
+                if not _metadata(func) and max(value.shape, default=0) >= max(PROBE_LENGTHS):
                     self.other_use.add(id(value))
         return out
 
@@ -269,8 +295,10 @@ def _watch(root: nn.Module, token_embedding: str, run: Runner) -> tuple[Position
     }
     seen: dict[str, list[tuple[int, bool]]] = {}  # embedding -> [(length, fed an arange of it)]
     table_reads: dict[int, list[set[int]]] = {}  # table id -> per probe, the dims sliced to its length
+    modules = position_aranges.module_paths(root)
+    sites: dict[ArangeSite | None, dict[int, list[_ArangeCall]]] = {}  # site -> probe length -> its calls
     for n in PROBE_LENGTHS:
-        watch = _Watch(tables)
+        watch = _Watch(tables, modules)
         fed: list[Tensor] = []
         handles = [m.register_forward_pre_hook(_record_input(path, n, watch, seen, fed))
                    for path, m in embeddings.items()]  # fmt: skip
@@ -282,14 +310,18 @@ def _watch(root: nn.Module, token_embedding: str, run: Runner) -> tuple[Position
                 h.remove()
         if out is None or watch.other_use:
             return None
-        # Every arange the forward built went into a position embedding (none left for rotary angles).
-        if any(not any(_same_storage(a, f) for f in fed) for a in watch.aranges):
-            return None
+        for out, (site, scope) in zip(watch.aranges, watch.arange_calls):
+            call = _ArangeCall(scope, out.numel(), position_aranges.is_range_of(out, n),
+                               any(_same_storage(out, f) for f in fed))  # fmt: skip
+            sites.setdefault(site, {}).setdefault(n, []).append(call)
         for key, reads in watch.slices.items():
             if any(length != n for _, length in reads) and not tables[key][2]:
                 return None  # a buffer read at another length than the sequence's
             table_reads.setdefault(key, []).append({d for d, length in reads if length == n})
-    reads: list[PositionRead] = []
+    arange_reads = _arange_reads(sites)
+    if arange_reads is None:
+        return None
+    reads: list[PositionRead] = list(arange_reads)
     for path, calls in seen.items():
         fed_flags = [f for _, f in calls]
         if all(fed_flags) and {n for n, _ in calls} == set(PROBE_LENGTHS):
@@ -304,6 +336,33 @@ def _watch(root: nn.Module, token_embedding: str, run: Runner) -> tuple[Position
         elif not parameter or any(per_probe):
             return None  # read at the sequence length on one probe only, or along two dims
     return tuple(reads)
+
+
+@dataclass(frozen=True)
+class _ArangeCall:
+    scope: str | None  # the innermost module whose forward made it
+    length: int
+    is_range: bool  # start..start+n-1 for the probe's length n
+    fed: bool  # the input of a position embedding
+
+
+def _arange_reads(sites: dict[ArangeSite | None, dict[int, list[_ArangeCall]]]) -> list[PositionRead] | None:
+    """One ARANGE read per scope that makes the probe's positions; None when a site follows the
+    length otherwise (or was made where no module's forward was running)."""
+    by_scope: dict[str, list[ArangeSite]] = {}
+    for site, per_probe in sites.items():
+        calls = [c for cs in per_probe.values() for c in cs]
+        if all(c.fed for c in calls):
+            continue  # a position embedding's input: that embedding's read
+        if len({c.length for c in calls}) == 1 and len(per_probe) == len(PROBE_LENGTHS):
+            continue  # the same length on both probes: no position in it (frequencies, head indices)
+        scopes = [{c.scope for c in per_probe.get(n, ())} for n in PROBE_LENGTHS]
+        ranges = all(c.is_range for c in calls) and scopes[0] == scopes[-1] and None not in scopes[0]
+        if site is None or not ranges:
+            return None  # arange(2n), arange(0, n, 2), a site on one probe only, ...
+        for scope in sorted(scopes[0]):
+            by_scope.setdefault(scope, []).append(site)
+    return [PositionRead(PositionReadKind.ARANGE, scope, sites=tuple(found)) for scope, found in by_scope.items()]
 
 
 def _record_input(path: str, n: int, watch: _Watch, seen: dict, fed: list[Tensor]) -> Callable:

@@ -57,8 +57,10 @@ def attend(
     if mask is not None:
         raise ContextParallelError(
             f"{where} got an explicit attention mask of shape {tuple(getattr(mask, 'shape', ()))}; ring attention "
-            f"under cp={cp.size} applies causal (or full) attention itself and takes no mask. Drop padding/"
-            f"document masks and mark padded positions with label -100 (right padding is then exact), or use cp=1."
+            f"under cp={cp.size} applies causal (or full) attention itself and takes no mask. A causal mask built "
+            f"from the length (ones(s, s).tril(), a sliced bias buffer) would be the shard's: pass is_causal=True "
+            f"instead. Drop padding/document masks and mark padded positions with label -100 (right padding is then "
+            f"exact), or use cp=1."
         )
     if dropout and torch.is_grad_enabled():
         raise ContextParallelError(

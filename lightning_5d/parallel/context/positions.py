@@ -12,8 +12,10 @@ embeddings must instead see each token's place in the whole sequence. Two routes
   answers with the rows of this shard's positions.
 * **observed reads** (a model without either): where discovery's probe saw the forward read
   its positions (:mod:`lightning_5d.plan.position_reads`: an embedding of ``arange(n)``, a
-  table read as its first n rows, or nothing at all for NoPE) and proved that, given the
-  shard's positions there, each token computes what it computes in the whole sequence.
+  table read as its first n rows, ``torch.arange(n)`` made in a module's forward such as the
+  rotary angles of a hand-written attention, or nothing at all for NoPE) and proved that,
+  given the shard's positions there, each token computes what it computes in the whole
+  sequence. Zig-zag shards are not one range: rank r's positions are chunks r and 2·cp−1−r.
 
 A model offering none of these is refused at setup with what it must expose.
 """
@@ -29,7 +31,7 @@ from torch import Tensor, nn
 from lightning_5d.parallel.context.batch import ContextParallelError
 from lightning_5d.parallel.context.state import ContextState
 from lightning_5d.plan.model_plan import ModelPlan
-from lightning_5d.plan.position_reads import redirect_reads
+from lightning_5d.plan.position_reads import PositionRead, PositionReadKind, redirect_reads
 
 
 def _parameters(fn: Any) -> list[str]:
@@ -93,16 +95,31 @@ def route_positions(
             return "none needed (observed: the model reads no position; NoPE)"
         current = lambda: cp.current.positions if cp.current is not None else None  # noqa: E731
         cp.undo.extend(redirect_reads(module, plan.position_reads, current, cp.wrap_forward))
-        return "global positions into " + ", ".join(r.describe() for r in plan.position_reads)
+        return "global positions into " + _describe_reads(plan.position_reads)
     owner = plan.blocks.rsplit(".", 1)[0] if "." in plan.blocks else ""
     owner_cls = type(module.get_submodule(owner)).__name__
     raise ContextParallelError(
         f"cp={cp.size} cuts the sequence, so each token needs its global position, but {owner_cls}.forward "
         f"(the module holding {plan.blocks}) takes no position_ids, no rotary module with a seq_len argument "
         f"was found, and the probe could not show where the model reads positions (an embedding of arange(n), "
-        f"a table read as its first n rows, or none at all; rotary angles from arange inside attention are not "
-        f"followed). Add a position_ids argument to {owner_cls}.forward and build the position embedding "
+        f"a table read as its first n rows, torch.arange(n) made in a module's forward such as rotary angles, or "
+        f"none at all). Add a position_ids argument to {owner_cls}.forward and build the position embedding "
         f"(RoPE cos/sin or learned) from it, defaulting to arange(seq_len) when it is None; or use cp=1."
+    )
+
+
+def _describe_reads(reads: tuple[PositionRead, ...]) -> str:
+    """One entry per read; arange sites made in many modules (every block's attention) once, with their count."""
+    parts: dict[str, list[str]] = {}
+    for read in reads:
+        if read.kind is PositionReadKind.ARANGE:
+            sites = ", ".join(site.describe() for site in read.sites)
+            parts.setdefault(sites, []).append(read.path or "the model")
+        else:
+            parts[read.describe()] = []
+    return ", ".join(
+        what if not where else f"{what} in {where[0]}" + (f" and {len(where) - 1} more" if len(where) > 1 else "")
+        for what, where in parts.items()
     )
 
 

@@ -28,7 +28,7 @@ class Attention(nn.Module):
     def forward(self, x):
         b, s, _ = x.shape
         q, k, v = (p(x).view(b, s, -1, HEAD_DIM).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
-        if self.rotary:  # angles from arange inside attention: not an input, not followed
+        if self.rotary:  # angles from arange inside attention (tests/unit/plan/test_position_aranges.py)
             angles = torch.arange(s, dtype=torch.float32)[:, None] * torch.ones(HEAD_DIM // 2)
             cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
             q = q * cos + torch.cat([-q[..., 2:], q[..., :2]], -1) * sin
@@ -118,11 +118,19 @@ def test_positions_the_probe_cannot_follow_leave_the_model_not_observed(position
     assert plan.uses_positions is None and plan.position_reads == ()
 
 
-@pytest.mark.parametrize("attention", [{"rotary": True}, {"explicit": True}])
-def test_rotary_from_arange_in_attention_or_explicit_softmax_is_not_observed(attention):
+def test_explicit_softmax_attention_is_not_observed():
+    """The token-local stand-in replaces SDPA only: softmax(QKᵀ)V spelled out mixes tokens."""
     torch.manual_seed(0)
-    assert discover(LM("none", **attention)).uses_positions is None
-    assert discover(LM("arange_embedding", **attention)).uses_positions is None
+    assert discover(LM("none", explicit=True)).uses_positions is None
+    assert discover(LM("arange_embedding", explicit=True)).uses_positions is None
+
+
+def test_rotary_from_arange_in_attention_is_observed_next_to_a_position_embedding():
+    torch.manual_seed(0)
+    plan = discover(LM("arange_embedding", rotary=True))
+    kinds = [(r.kind, r.path) for r in plan.position_reads]
+    assert kinds == [(PositionReadKind.ARANGE, "layers.0.attn"), (PositionReadKind.ARANGE, "layers.1.attn"),
+                     (PositionReadKind.ARANGE_EMBEDDING, "wpe")]  # fmt: skip
 
 
 def fake_cp(positions, seq_len):
