@@ -31,7 +31,9 @@ observed" and context parallelism refuses it with what to add):
    subset of the positions, with the reads redirected to those positions, must give the
    rows of those positions of its run on the whole sequence. Anything else that carries a
    position (a ``linspace`` table, a length-dependent scale, an ``arange`` redirected at the
-   wrong place) or mixes tokens outside attention makes the rows differ.
+   wrong place) or mixes tokens outside attention makes the rows differ. Each arange site
+   must also be needed: a site the proof passes without feeds only attention's mask or bias
+   (ALiBi distances, a causal mask), which the stand-in ignores, and the model is not observed.
 
 With those reads redirected, a shard's tokens then compute what they compute in the whole
 sequence, except inside attention, which ring attention makes global.
@@ -40,7 +42,7 @@ sequence, except inside attention, which ring attention makes global.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, Callable
 
@@ -217,9 +219,28 @@ def observe_reads(root: nn.Module, token_embedding: str, run: Runner) -> tuple[P
         reads = _watch(root, token_embedding, run)
         if reads is None or not _tokenwise(root, reads, run):
             return None
+        if any(_tokenwise(root, without, run) for without in _each_site_left_out(reads)):
+            return None
     except Exception:  # noqa: BLE001 - a model the probe cannot run or redirect is simply not observed
         return None
     return reads
+
+
+def _each_site_left_out(reads: tuple[PositionRead, ...]) -> list[tuple[PositionRead, ...]]:
+    """``reads`` without one arange site (in every scope), for each site. A site the token-wise
+    proof passes without reaches no token's value: it feeds only the attention's mask or bias
+    (ALiBi distances, a causal mask from arange), which is attention's business, or nothing;
+    such a model stays "not observed" rather than read as carrying its positions there."""
+    keys = dict.fromkeys(site.key for read in reads for site in read.sites)
+    variants = []
+    for key in keys:
+        kept = []
+        for read in reads:
+            sites = tuple(site for site in read.sites if site.key != key)
+            if read.kind is not PositionReadKind.ARANGE or sites:
+                kept.append(replace(read, sites=sites))
+        variants.append(tuple(kept))
+    return variants
 
 
 def _held_tables(root: nn.Module) -> dict[int, tuple[str, str, bool]]:

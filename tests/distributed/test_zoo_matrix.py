@@ -12,7 +12,7 @@ import pytest
 
 from zoo_matrix import BY_ID, outcome_of, run_cells
 
-# Eight models of eight styles in ten cells (five layouts), each passing today, all on 2 processes (one launch):
+# Nine models of nine styles in eleven cells (five layouts), each passing today, all on 2 processes (one launch):
 FAST = [
     "kwargs_forward__tp2psp",  # hand-written, keyword-only forwards, q/k/v biases: tp + sequence parallelism
     "phi3__cp2",  # Hugging Face Phi-3 (fused qkv_proj and gate_up_proj): context parallelism
@@ -25,6 +25,7 @@ FAST = [
     # q / fused [k|v] traced from the attention call, ALiBi rebuilt per rank, the MLP's inner norm: tp
     "nested_lists__tp2",
     "direct_lm__cp2",  # no position encoding, parameters on the LightningModule: cp needs no positions
+    "plain_torch__cp2",  # rotary angles from torch.arange(s) inside attention: the shard's global positions
 ]
 # Cells that were refused and now train equal to one process (on demand, `-m extended`):
 FIXED = [
@@ -34,7 +35,8 @@ FIXED = [
     "direct_lm__fp8",
 ]
 # Refusals whose model_plan advice the runner follows: the cell is refused, the advice trains.
-MODEL_PLAN_ADVICE = ["direct_lm__tp2", "direct_lm__tp2psp", "direct_lm__tp2xpp2", "plain_torch__tp2"]
+MODEL_PLAN_ADVICE = ["direct_lm__tp2", "direct_lm__tp2psp", "direct_lm__tp2xpp2", "plain_torch__tp2",
+                     "plain_torch__tp2pspxcp2xpp2"]  # 8 processes: with the head count, cp's arange positions
 
 # What issue 22's nested_lists / moduledict_layers work settled (on demand): these train equal to one
 # process, and these are refused with advice that the variant nested_blocks follows (a Block module

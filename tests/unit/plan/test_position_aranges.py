@@ -150,9 +150,13 @@ OBSERVED = {  # style -> (kind, the modules whose forward makes the range)
 
 
 @pytest.mark.parametrize("style", list(OBSERVED))
-def test_each_form_of_rotary_positions_is_observed_where_it_is_made(style):
+def test_each_form_of_rotary_positions_is_observed_and_a_shard_rotates_by_its_global_positions(style):
+    """Observed where it is made; then, attention made token-local (as the probe does), a zig-zag
+    shard's rows equal the whole sequence's rows at those positions, so only ring attention is
+    left to make it global."""
     torch.manual_seed(0)
-    plan = discover(LM(style))
+    model = LM(style)
+    plan = discover(model)
     kind, paths = OBSERVED[style]
     assert plan.uses_positions is True
     assert {r.kind for r in plan.position_reads} == {kind}
@@ -160,15 +164,6 @@ def test_each_form_of_rotary_positions_is_observed_where_it_is_made(style):
     if kind is PositionReadKind.ARANGE:
         # one site each: the frequencies' arange(0, d, 2) has the same length on both probes
         assert all(len(r.sites) == 1 for r in plan.position_reads)
-
-
-@pytest.mark.parametrize("style", list(OBSERVED))
-def test_a_shard_rotates_its_tokens_by_their_global_positions(style):
-    """Attention made token-local (as the probe does): a zig-zag shard's rows equal the whole
-    sequence's rows at those positions, so only ring attention is left to make it global."""
-    torch.manual_seed(0)
-    model = LM(style)
-    plan = discover(model)
     ids = torch.randint(0, VOCAB, (2, 8))
     shard = torch.tensor([0, 1, 6, 7])  # zig-zag rank 0 of 8 tokens, cp=2
     with _TokenLocalAttention(), torch.no_grad():
@@ -193,7 +188,6 @@ def test_a_past_length_shifts_the_global_positions():
         routed = model(ids, past=3)
         cp.current = None
         angles = torch.tensor([3.0, 4.0, 9.0, 10.0])[:, None] * inv_freq()  # 3 + the shard's positions
-        expected = model(ids, past=0) if False else None  # noqa: F841 (computed below with the angles)
         x = model.embed(ids)
         for block in model.layers:
             x = x + block.attn(block.norm(x), angles)

@@ -33,8 +33,13 @@ class Attention(nn.Module):
         q, k, v = (p(x).view(b, s, -1, HEAD_DIM).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
         if self.mask == "ones_tril":
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(s, s, dtype=torch.bool).tril())
-        elif self.mask == "arange_compare":  # from arange: the ranges are redirected, the mask still refused
+        elif self.mask == "arange_compare":  # positions that reach the mask only: no read cp could redirect
             i = torch.arange(s, device=x.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=i[:, None] >= i[None, :])
+        elif self.mask == "rotary_and_mask":  # one range for the rotary angles and the mask: redirected, mask refused
+            i = torch.arange(s, device=x.device)
+            angles = i[:, None].float() * torch.ones(HEAD_DIM)
+            q, k = q * angles.cos() + q.flip(-1) * angles.sin(), k * angles.cos() + k.flip(-1) * angles.sin()
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=i[:, None] >= i[None, :])
         elif self.mask == "bias_buffer_sdpa":
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias[:, :, :s, :s].bool())
@@ -93,14 +98,24 @@ def route(model):
     return cp
 
 
-@pytest.mark.parametrize("mask", ["ones_tril", "arange_compare"])
+@pytest.mark.parametrize("mask", ["ones_tril", "rotary_and_mask"])
 def test_a_causal_mask_from_the_local_length_handed_to_sdpa_is_refused_with_is_causal_as_the_advice(mask):
     torch.manual_seed(0)
     model = LM(mask)
-    cp = route(model)
+    cp = route(model)  # no positions (ones_tril), or the range the angles and the mask share redirected
     with pytest.raises(ContextParallelError, match=r"explicit attention mask of shape \(4, 4\).*is_causal=True"):
         model(torch.zeros(1, 4, dtype=torch.long))
     assert cp.attention_calls == 0  # refused before any attention ran on the shard
+
+
+def test_a_range_that_reaches_only_the_mask_leaves_the_model_not_observed():
+    """The token-wise proof passes without that arange (the stand-in ignores masks): it carries
+    no token's position, so it is no read cp could redirect (ALiBi distances are the same case)."""
+    torch.manual_seed(0)
+    model = LM("arange_compare")
+    assert discover(model).uses_positions is None
+    with pytest.raises(ContextParallelError, match="each token needs its global position"):
+        route(model)
 
 
 def test_a_sliced_mask_buffer_is_refused_whichever_way_it_is_applied():
