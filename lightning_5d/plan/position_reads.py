@@ -288,6 +288,8 @@ class _Watch(TorchFunctionMode):
             elif not self.tables[id(args[0])][2]:
                 self.other_use.add(id(args[0]))
             return out
+        if args and out is args[0]:
+            return out  # the table itself back (``pe.to(device)`` already there): no read of its rows
         for value in (*args, *kwargs.values()):
             if isinstance(value, Tensor) and id(value) in self.tables and not self.tables[id(value)][2]:
                 # A buffer too short to hold a row per probe position (rotary inv_freq) used whole

@@ -115,12 +115,17 @@ class LM(nn.Module):
         self.layers = nn.ModuleList(Block(style) for _ in range(2))
         self.norm = nn.LayerNorm(HIDDEN)
         self.lm_head = nn.Linear(HIDDEN, VOCAB)
+        if style == "table_to_device":
+            self.freqs = torch.outer(torch.arange(MAX_LEN, dtype=torch.float32), inv_freq())  # a plain attribute
 
     def forward(self, ids, past: int = 0):
         x = self.embed(ids)
         angles = None
         if self.style == "top_level":  # once per forward, handed to every block
             angles = torch.outer(torch.arange(ids.size(1), device=ids.device).float(), inv_freq())
+        if self.style == "table_to_device":  # Meta's llama: freqs_cis moved (a no-op here), then [start:start+n]
+            self.freqs = self.freqs.to(ids.device)
+            angles = self.freqs[past : past + ids.size(1)]
         for block in self.layers:
             x = block(x, angles, past)
         return self.lm_head(self.norm(x))
@@ -146,6 +151,7 @@ OBSERVED = {  # style -> (kind, the modules whose forward makes the range)
     "top_level": (PositionReadKind.ARANGE, ("",)),
     "freq_buffer": (PositionReadKind.ARANGE, ("layers.0.attn.rotary", "layers.1.attn.rotary")),
     "cache": (PositionReadKind.TABLE_SLICE, ("layers.0.attn.cache", "layers.1.attn.cache")),
+    "table_to_device": (PositionReadKind.TABLE_SLICE, ("",)),
 }
 
 
