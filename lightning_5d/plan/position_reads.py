@@ -288,7 +288,7 @@ class _Watch(TorchFunctionMode):
             elif not self.tables[id(args[0])][2]:
                 self.other_use.add(id(args[0]))
             return out
-        if args and out is args[0]:
+        if args and out is args[0] and id(out) in self.tables:
             return out  # the table itself back (``pe.to(device)`` already there): no read of its rows
         for value in (*args, *kwargs.values()):
             if isinstance(value, Tensor) and id(value) in self.tables and not self.tables[id(value)][2]:
@@ -333,9 +333,9 @@ def _watch(root: nn.Module, token_embedding: str, run: Runner) -> tuple[Position
                 h.remove()
         if out is None or watch.other_use:
             return None
-        for out, (site, scope) in zip(watch.aranges, watch.arange_calls):
-            call = _ArangeCall(scope, out.numel(), position_aranges.is_range_of(out, n),
-                               any(_same_storage(out, f) for f in fed))  # fmt: skip
+        for made, (site, scope) in zip(watch.aranges, watch.arange_calls):
+            call = _ArangeCall(scope, made.numel(), position_aranges.is_range_of(made, n),
+                               any(_same_storage(made, f) for f in fed))  # fmt: skip
             sites.setdefault(site, {}).setdefault(n, []).append(call)
         for key, reads in watch.slices.items():
             if any(length != n for _, length in reads) and not tables[key][2]:
