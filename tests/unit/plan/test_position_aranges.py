@@ -216,3 +216,33 @@ def test_ranges_that_are_not_the_tokens_positions_leave_the_model_not_observed(s
     torch.manual_seed(0)
     plan = discover(LM(style))
     assert plan.uses_positions is None and plan.position_reads == ()
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpoint_recomputation_is_redirected_too(mode):
+    """The redirect wraps the attention's forward, which backward's recomputation of a
+    checkpointed block calls again while the shard is current: gradients as without recompute."""
+    from lightning_5d.parallel.activation_checkpoint import apply_activation_checkpointing
+
+    torch.manual_seed(0)
+    model = LM("device_float")
+    plan = discover(model)
+    for block in model.layers:  # token-local attention entered in the forward, as cp's ring route is,
+        forward = block.attn.forward  # so that the recomputation meets it too
+
+        def local(*args, _forward=forward, **kwargs):
+            with _TokenLocalAttention():
+                return _forward(*args, **kwargs)
+
+        block.attn.forward = local
+    ids = torch.randint(0, VOCAB, (2, 8))
+    shard = torch.tensor([0, 1, 6, 7])
+    model(ids)[:, shard].square().sum().backward()  # the whole sequence's rows of the shard
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    apply_activation_checkpointing(list(model.layers), mode)
+    cp = fake_cp(shard, 8)
+    route_positions(cp, model, plan)
+    model(ids[:, shard]).square().sum().backward()
+    for got, want in zip((p.grad for p in model.parameters()), expected):
+        torch.testing.assert_close(got, want)
