@@ -285,6 +285,8 @@ class _Watch(TorchFunctionMode):
             found = next(((d, n) for d in range(args[0].dim()) if (n := _leading_slice(args[1], d)) is not None), None)
             if found is not None:
                 self.slices.setdefault(id(args[0]), set()).add(found)
+            elif isinstance(args[1], Tensor) and any(_same_storage(args[1], a) for a in self.aranges):
+                pass  # rows at an arange's values (cos_cached[position_ids]): the arange's site is the read
             elif not self.tables[id(args[0])][2]:
                 self.other_use.add(id(args[0]))
             return out

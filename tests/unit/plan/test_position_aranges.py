@@ -62,7 +62,7 @@ class Attention(nn.Module):
         self.style = style
         self.q_proj, self.k_proj = nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, HIDDEN)
         self.v_proj, self.o_proj = nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, HIDDEN)
-        if style == "cache":
+        if style in ("cache", "gather"):
             self.cache = Cache()
         if style == "freq_buffer":
             self.rotary = FreqBuffer()
@@ -77,6 +77,9 @@ class Attention(nn.Module):
             return torch.arange(past, past + s, dtype=torch.float32)[:, None] * inv_freq()
         if style == "cache":
             return self.cache(s)
+        if style == "gather":  # cos_cached[position_ids], the ids from arange: the arange is redirected
+            position_ids = torch.arange(s, device=device)
+            return self.cache.angles[position_ids]
         if style == "scaled":  # not the token's position: arange(0, 2s, 2)
             return torch.arange(0, 2 * s, 2, dtype=torch.float32)[:, None] * inv_freq()
         if style == "reversed":  # counts from the end: the shard's positions would be wrong here
@@ -152,6 +155,7 @@ OBSERVED = {  # style -> (kind, the modules whose forward makes the range)
     "freq_buffer": (PositionReadKind.ARANGE, ("layers.0.attn.rotary", "layers.1.attn.rotary")),
     "cache": (PositionReadKind.TABLE_SLICE, ("layers.0.attn.cache", "layers.1.attn.cache")),
     "table_to_device": (PositionReadKind.TABLE_SLICE, ("",)),
+    "gather": (PositionReadKind.ARANGE, ("layers.0.attn", "layers.1.attn")),
 }
 
 
