@@ -35,14 +35,16 @@ from __future__ import annotations
 
 import math
 import types
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_5d.config import LayoutError
+from lightning_5d.forward_patch import replace_forward
 
 _ATTRIBUTE = "_lightning_5d_mha_parts"
 # (weight parameter, the name of the GEMM module that may replace F.linear for it)
@@ -87,12 +89,37 @@ def own_forward(module: nn.MultiheadAttention) -> MhaParts:
         raise TypeError(f"own_forward expects an nn.MultiheadAttention, got {type(module).__name__}")
     parts = parts_of(module)
     if parts is None:
-        parts = MhaParts(heads=module.num_heads)
-        setattr(module, _ATTRIBUTE, parts)
-        # A bound method (not a closure): a deepcopy of the model then calls its own copy.
-        module.forward = types.MethodType(parts_forward, module)
-        module.register_forward_pre_hook(_no_fused_path)
-    return parts
+        _install(module)
+        parts = parts_of(module)
+    return parts  # type: ignore[return-value]
+
+
+def _install(module: nn.MultiheadAttention) -> Callable[[], None]:
+    """Put the parts forward (and the hook) on ``module``; the returned function takes them off."""
+    setattr(module, _ATTRIBUTE, MhaParts(heads=module.num_heads))
+    # A bound method (not a closure): a deepcopy of the model then calls its own copy.
+    undo_forward = replace_forward(module, types.MethodType(parts_forward, module))
+    handle = module.register_forward_pre_hook(_no_fused_path)
+
+    def undo() -> None:
+        handle.remove()
+        undo_forward()
+        delattr(module, _ATTRIBUTE)
+
+    return undo
+
+
+@contextmanager
+def parts_forwards(root: nn.Module) -> Iterator[None]:
+    """Every nn.MultiheadAttention under ``root`` runs :func:`parts_forward` for a while, then its own
+    forward again: discovery's probes see its SDPA call (a ``TorchFunctionMode`` cannot see the one
+    inside ``F.multi_head_attention_forward``) with torch's numbers."""
+    undo = [_install(m) for m in root.modules() if isinstance(m, nn.MultiheadAttention) and parts_of(m) is None]
+    try:
+        yield
+    finally:
+        for u in reversed(undo):
+            u()
 
 
 def _no_fused_path(_module: nn.Module, _args: tuple) -> None:
@@ -252,10 +279,11 @@ def parts_forward(
         out = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout, is_causal)
         out = out.permute(2, 0, 1, 3).reshape(tgt_len, batch, width)  # [L, N, E]
         weights = None
-    out = self.out_proj(out)
+    # Back to the caller's layout before out_proj: under sequence parallelism its row-parallel
+    # forward reduce-scatters along the residual stream's sequence dimension, which is the caller's.
     if not batched:
         out = out.squeeze(1)
         weights = None if weights is None else weights.squeeze(0)
     elif self.batch_first:
         out = out.transpose(0, 1)
-    return out, weights
+    return self.out_proj(out), weights
