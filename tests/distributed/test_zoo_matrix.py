@@ -32,6 +32,9 @@ FIXED = [
     "nanogpt__tp2xpp2",
     "direct_lm__pp2",  # no forward: pp runs training_step, the verifier runs the pieces in turn
     "direct_lm__fp8",
+    # nn.MultiheadAttention from its parts: its SDPA call routed, its causal mask read as the causal flag
+    "torch_encoder__cp2",
+    "torch_encoder__tp2pspxcp2xpp2",
 ]
 # Refusals whose model_plan advice the runner follows: the cell is refused, the advice trains.
 MODEL_PLAN_ADVICE = ["direct_lm__tp2", "direct_lm__tp2psp", "direct_lm__tp2xpp2", "plain_torch__tp2"]
