@@ -79,7 +79,12 @@ MASKS = [("none", "none"), ("bool2d", "bool"), ("float2d", "float"), ("bool3d", 
 WEIGHTS = [(False, True), (True, True), (True, False)]  # (need_weights, average_attn_weights)
 
 
-@pytest.mark.parametrize("option", list(OPTIONS))
+FAST_OPTIONS = ("batch_first", "bias_kv+zero_attn")  # the default tier; the rest on demand (-m extended)
+
+
+@pytest.mark.parametrize(
+    "option", [o if o in FAST_OPTIONS else pytest.param(o, marks=pytest.mark.extended) for o in OPTIONS]
+)
 def test_self_attention_equals_torch_over_options_masks_and_weights(option):
     options = OPTIONS[option]
     torch_mha, ours = _modules(**options)
@@ -107,8 +112,10 @@ def test_is_causal_with_its_mask_equals_torch(batch_first, need_weights, padding
 
 @pytest.mark.parametrize(
     "inputs,option,need_weights",
-    [("kv shared", "plain", False), ("kv shared", "bias_kv", True), ("all distinct", "batch_first", False),
-     ("all distinct", "separate weights", False), ("all distinct", "separate weights", True)],
+    [("kv shared", "bias_kv", True), ("all distinct", "separate weights", False),
+     pytest.param("kv shared", "plain", False, marks=pytest.mark.extended),
+     pytest.param("all distinct", "batch_first", False, marks=pytest.mark.extended),
+     pytest.param("all distinct", "separate weights", True, marks=pytest.mark.extended)],
 )  # fmt: skip
 def test_cross_attention_equals_torch(inputs, option, need_weights):
     options = {"kdim": 12, "vdim": 10} if option == "separate weights" else OPTIONS[option]
