@@ -171,6 +171,26 @@ def _local_heads(mask: Tensor, parts: MhaParts, batch: int, heads: int) -> Tenso
     return per_head[:, parts.first_head : parts.first_head + heads].reshape(batch * heads, *mask.shape[1:])
 
 
+def _nested_forward(
+    module: nn.MultiheadAttention, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None,
+    need_weights: bool, attn_mask: Tensor | None, average_attn_weights: bool, is_causal: bool,
+) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """Nested (ragged) self-attention input, as nn.TransformerEncoder makes in inference from a padding
+    mask (``enable_nested_tensor``; torch's own forward takes it only on its fused path, which reads the
+    weights itself): padded with the padding as ``key_padding_mask``, run, and made nested again."""
+    if not (query is key and key is value and module.batch_first) or key_padding_mask is not None or attn_mask is not None:
+        raise MhaPartsError(
+            "nn.MultiheadAttention got nested tensors other than one batch_first self-attention input without "
+            "masks (what nn.TransformerEncoder passes in inference); pass padded tensors with a key_padding_mask."
+        )
+    lengths = [t.size(0) for t in query.unbind()]
+    padded = query.to_padded_tensor(0.0)
+    padding = torch.arange(padded.size(1), device=padded.device) >= torch.tensor(lengths, device=padded.device)[:, None]
+    out, weights = parts_forward(module, padded, padded, padded, padding, need_weights, attn_mask,
+                                 average_attn_weights, is_causal)  # fmt: skip
+    return torch.nested.nested_tensor([o[:n] for o, n in zip(out.unbind(), lengths)]), weights
+
+
 def parts_forward(
     self: nn.MultiheadAttention,
     query: Tensor,
@@ -187,6 +207,9 @@ def parts_forward(
     assert parts is not None, "parts_forward runs on a module own_forward prepared"
     if need_weights and parts.weights_refused:
         raise MhaPartsError(" ".join(parts.weights_refused.values()))
+    if query.is_nested or key.is_nested or value.is_nested:
+        return _nested_forward(self, query, key, value, key_padding_mask, need_weights, attn_mask,
+                               average_attn_weights, is_causal)  # fmt: skip
     self_attention, kv_shared = query is key and key is value, key is value  # before transposes copy
     batched = query.dim() == 3
     if not batched:  # [L, E] -> [L, 1, E]; torch ignores batch_first for unbatched inputs

@@ -186,3 +186,18 @@ def test_the_fused_encoder_layer_path_is_off_so_the_parts_run():
     with torch.no_grad():
         torch.testing.assert_close(layer(x), reference(x), rtol=1e-6, atol=1e-6)
     assert calls == [1]
+
+
+def test_the_nested_inference_input_of_transformer_encoder_equals_torch():
+    """In eval without gradients nn.TransformerEncoder turns a padded batch into nested tensors; torch
+    takes them on its fused path only, the parts forward pads them and masks the padding."""
+    torch.manual_seed(0)
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, 32, dropout=0.0, batch_first=True), 2).eval()
+    reference = copy.deepcopy(encoder)
+    for layer in encoder.layers:
+        own_forward(layer.self_attn)
+    x, padding = torch.randn(N, L, E), torch.zeros(N, L, dtype=torch.bool)
+    padding[1, -2:] = True
+    with torch.no_grad():
+        got, expected = encoder(x, src_key_padding_mask=padding), reference(x, src_key_padding_mask=padding)
+    assert (got - expected).abs().max() <= 1e-6 * expected.abs().max()
