@@ -47,7 +47,7 @@ from lightning_5d.config import LayoutError
 from lightning_5d.forward_patch import replace_forward
 
 _ATTRIBUTE = "_lightning_5d_mha_parts"
-# (weight parameter, the name of the GEMM module that may replace F.linear for it)
+# The in-projection weights a module may hold; a GEMM module registered as gemm_name(weight) computes it.
 IN_PROJECTION_WEIGHTS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
 
 # (attn_mask, key_padding_mask, is_causal, tgt_len, src_len) -> (attn_mask, is_causal) for SDPA
@@ -71,6 +71,11 @@ class MhaParts:
     first_head: int = 0  # tp: the first of this rank's heads
     weights_refused: dict[str, str] = field(default_factory=dict)  # dimension -> why need_weights=True fails
     masks: MaskRule | None = None  # cp: checks the masks of the routed SDPA call (need_weights=False)
+
+    def __deepcopy__(self, memo: dict) -> "MhaParts":
+        # cp's rule holds its process group: a copy of the model shares it, as it shares the
+        # routing wrapper around the forward.
+        return MhaParts(self.heads, self.first_head, dict(self.weights_refused), self.masks)
 
 
 def parts_of(module: nn.Module) -> MhaParts | None:

@@ -3,6 +3,8 @@
 gradients of the inputs and every parameter."""
 
 import copy
+import functools
+import threading
 
 import pytest
 import torch
@@ -167,7 +169,9 @@ def test_settings_are_kept_once_and_a_refusal_names_its_reason():
     with pytest.raises(MhaPartsError, match="need_weights=False"):
         ours(x, x, x)
     assert ours(x, x, x, need_weights=False)[1] is None
-    clone = copy.deepcopy(ours)  # the copy runs its own parameters
+    parts.masks = functools.partial(lambda lock, *a: a[:1] + a[2:3], threading.Lock())  # as cp's rule: not copyable
+    clone = copy.deepcopy(ours)  # the copy runs its own parameters, and shares the rule
+    assert parts_of(clone).masks is parts.masks and parts_of(clone).weights_refused == parts.weights_refused
     with torch.no_grad():
         clone.out_proj.bias.add_(1.0)
     torch.testing.assert_close(clone(x, x, x, need_weights=False)[0], ours(x, x, x, need_weights=False)[0] + 1.0)
