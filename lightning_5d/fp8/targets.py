@@ -34,9 +34,7 @@ def fp8_targets(
         prefix = plan.block_path(i)
         attention = block.attention
         # nn.MultiheadAttention: its out_proj here, its in-projection in fp8_attention_targets.
-        projections = [] if attention is None else list(attention.row)
-        if attention is not None and not attention.packed:
-            projections += list(attention.column)
+        projections = [] if attention is None else list(attention.column) + list(attention.row)
         if block.mlp is not None:
             projections += list(block.mlp.column) + list(block.mlp.row)
         for p in projections:
