@@ -183,7 +183,8 @@ def _nested_forward(
     """Nested (ragged) self-attention input, as nn.TransformerEncoder makes in inference from a padding
     mask (``enable_nested_tensor``; torch's own forward takes it only on its fused path, which reads the
     weights itself): padded with the padding as ``key_padding_mask``, run, and made nested again."""
-    if not (query is key and key is value and module.batch_first) or key_padding_mask is not None or attn_mask is not None:
+    one_input = query is key and key is value and module.batch_first
+    if not one_input or key_padding_mask is not None or attn_mask is not None:
         raise MhaPartsError(
             "nn.MultiheadAttention got nested tensors other than one batch_first self-attention input without "
             "masks (what nn.TransformerEncoder passes in inference); pass padded tensors with a key_padding_mask."

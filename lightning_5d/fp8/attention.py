@@ -28,7 +28,8 @@ def convert_attention_to_fp8(root: nn.Module, paths: list[str], recipe: Fp8Recip
     for path in paths:
         module = root.get_submodule(path)
         if not isinstance(module, nn.MultiheadAttention):
-            raise ValueError(f"convert_attention_to_fp8: {path!r} is a {type(module).__name__}, not nn.MultiheadAttention")
+            kind = type(module).__name__
+            raise ValueError(f"convert_attention_to_fp8: {path!r} is a {kind}, not nn.MultiheadAttention")
         modules.append((path, module))
     converted = []
     for path, module in modules:
