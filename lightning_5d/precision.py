@@ -152,6 +152,7 @@ class FiveDPrecision(Precision):
         self.device_type = "cpu"
         self.attached = False  # set by FiveDStrategy; other strategies would not place masters
         self.fp8_names: list[str] = []
+        self.fp8_in_projections: list[str] = []  # nn.MultiheadAttention in-projection weights in FP8
         self._te_recipe = None
         self._amax_group = None
         self._backend: Fp8Backend | None = None
@@ -179,9 +180,9 @@ class FiveDPrecision(Precision):
                 f"{'fp32' if self.fp32_accumulation else 'bf16'} accumulation)"
             )
         f = self.fp8
-        return f"fp8 {f.recipe.value} ({self.backend.value}) on {len(self.fp8_names)} linears, bf16 mixed otherwise" + (
-            ", fp8 all-gather" if f.fp8_all_gather else ""
-        )
+        extra = f" and {len(self.fp8_in_projections)} attention in-projections" if self.fp8_in_projections else ""
+        return f"fp8 {f.recipe.value} ({self.backend.value}) on {len(self.fp8_names)} linears{extra}, bf16 mixed " \
+            "otherwise" + (", fp8 all-gather" if f.fp8_all_gather else "")
 
     # ------------------------------------------------------------------ model
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -200,10 +201,12 @@ class FiveDPrecision(Precision):
         return self._backend or self.fp8.backend
 
     def _te_blockers(
-        self, layout: Mapping[str, int], activation_checkpointing: bool, experts: bool = False, shapes=()
-    ) -> list[str]:
+        self, layout: Mapping[str, int], activation_checkpointing: bool, experts: bool = False, shapes=(),
+        attentions=(),
+    ) -> list[str]:  # fmt: skip
         """Why Transformer Engine cannot take this run (empty: it can). ``shapes``: (name, in, out)
-        of the linears it would take."""
+        of the linears it would take; ``attentions``: nn.MultiheadAttention modules, whose bare
+        in-projection weight no TE layer can take (our own FP8 GEMMs can)."""
         assert self.fp8 is not None
         # Our tp cuts nn.Linear weights, and TE keeps its own; its delayed-scaling amax reduction and
         # activation-checkpoint recompute need TE's own pipeline/expert/checkpoint plumbing.
@@ -214,6 +217,8 @@ class FiveDPrecision(Precision):
             blockers.append("expert dispatch")
         align = 32 if self.fp8.recipe == Fp8Recipe.MXFP8 else 16
         blockers += [f"{n} ({i} -> {o}, not multiples of {align})" for n, i, o in shapes if i % align or o % align]
+        if attentions:
+            blockers.append(f"nn.MultiheadAttention's in-projection ({attentions[0]})")
         if self.fp8.fp8_all_gather:
             blockers.append("fp8_all_gather")
         if self.fp8.recipe == Fp8Recipe.ROWWISE:
@@ -221,12 +226,13 @@ class FiveDPrecision(Precision):
         return blockers
 
     def _choose_backend(
-        self, layout: Mapping[str, int], activation_checkpointing: bool, experts: bool = False, shapes=()
-    ) -> Fp8Backend:
+        self, layout: Mapping[str, int], activation_checkpointing: bool, experts: bool = False, shapes=(),
+        attentions=(),
+    ) -> Fp8Backend:  # fmt: skip
         from lightning_5d.fp8 import te_backend
 
         assert self.fp8 is not None
-        blockers = self._te_blockers(layout, activation_checkpointing, experts, shapes)
+        blockers = self._te_blockers(layout, activation_checkpointing, experts, shapes, attentions)
         if self.fp8.backend == Fp8Backend.TORCH:
             return Fp8Backend.TORCH
         if self.fp8.backend == Fp8Backend.TRANSFORMER_ENGINE:
@@ -269,9 +275,12 @@ class FiveDPrecision(Precision):
         ``amax_group``: the data/context-parallel ranks TE's delayed scaling reduces amaxes over.
         """
         assert self.fp8 is not None
+        from lightning_5d.fp8.targets import fp8_attention_targets
+
         names = self.fp8_targets(plan, module)
+        attentions = fp8_attention_targets(plan)
         shapes = [(n, module.get_submodule(n).in_features, module.get_submodule(n).out_features) for n in names]
-        self._backend = self._choose_backend(layout, activation_checkpointing, experts, shapes)
+        self._backend = self._choose_backend(layout, activation_checkpointing, experts, shapes, attentions)
         self._fp8_root = module
         self._amax_group = amax_group
         if self._backend == Fp8Backend.TRANSFORMER_ENGINE:
@@ -282,7 +291,11 @@ class FiveDPrecision(Precision):
         else:
             from lightning_5d.fp8.convert import convert_to_fp8
 
-            self.fp8_names = convert_to_fp8(module, names, self.fp8.recipe, amax_history_len=self.fp8.amax_history_len)
+            from lightning_5d.fp8.attention import convert_attention_to_fp8
+
+            options = {"amax_history_len": self.fp8.amax_history_len}
+            self.fp8_names = convert_to_fp8(module, names, self.fp8.recipe, **options)
+            self.fp8_in_projections = convert_attention_to_fp8(module, attentions, self.fp8.recipe, **options)
         return self.fp8_names
 
     def enable_fp8_all_gather(self, module: nn.Module, names: list[str]) -> list[str]:

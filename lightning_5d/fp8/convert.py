@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from lightning_5d.fp8.delayed import amax_histories, pending_buffer_name
-from lightning_5d.fp8.linear import Fp8Linear
+from lightning_5d.fp8.linear import Fp8Linear, Fp8Projection
 from lightning_5d.fp8.recipes import Fp8Recipe
+from lightning_5d.mha_parts import own_forward
 
 
 def _lookup(root: nn.Module, name: str) -> nn.Module:
@@ -49,6 +50,10 @@ def convert_to_fp8(root: nn.Module, names: Iterable[str], recipe: Fp8Recipe | st
     for name, module in todo:
         parent_name, _, child = name.rpartition(".")
         parent = root.get_submodule(parent_name) if parent_name else root
+        if isinstance(parent, nn.MultiheadAttention):
+            # torch's forward multiplies by out_proj.weight itself and would never call the new
+            # module (FP8 silently unused): the forward built from its parts calls it.
+            own_forward(parent)
         setattr(parent, child, Fp8Linear.from_linear(module, recipe, **options))
         converted.append(name)
     return converted
@@ -59,10 +64,16 @@ def fp8_linears(root: nn.Module) -> dict[str, Fp8Linear]:
     return {name: m for name, m in root.named_modules() if isinstance(m, Fp8Linear)}
 
 
+def fp8_gemm_modules(root: nn.Module) -> dict[str, Fp8Linear | Fp8Projection]:
+    """Every module under ``root`` that runs FP8 GEMMs (and may keep delayed-scaling histories):
+    the Fp8Linears and the parameterless Fp8Projections of nn.MultiheadAttention's in-projection."""
+    return {name: m for name, m in root.named_modules() if isinstance(m, (Fp8Linear, Fp8Projection))}
+
+
 def advance_fp8_histories(root: nn.Module, group=None) -> None:
     """After an optimizer step: every delayed-scaling Fp8Linear under ``root`` takes in the step's
     amaxes. ``group``: ranks whose pending amaxes are max-reduced first (one collective for all)."""
-    modules = [m for m in fp8_linears(root).values() if amax_histories(m)]
+    modules = [m for m in fp8_gemm_modules(root).values() if amax_histories(m)]
     if not modules:
         return
     if group is not None and torch.distributed.get_world_size(group) > 1:
@@ -80,13 +91,13 @@ def fp8_scaling_state(root: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
     kept out of the modules' state_dict so the weights load into the model without FP8 too."""
     return {
         name: {role: h.detach().clone() for role, h in amax_histories(m).items()}
-        for name, m in fp8_linears(root).items()
+        for name, m in fp8_gemm_modules(root).items()
         if amax_histories(m)
     }
 
 
 def load_fp8_scaling_state(root: nn.Module, state: dict[str, dict[str, torch.Tensor]]) -> None:
-    modules = fp8_linears(root)
+    modules = fp8_gemm_modules(root)
     for name, histories in state.items():
         module = modules.get(name)
         if module is None:

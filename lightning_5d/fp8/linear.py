@@ -230,6 +230,35 @@ class _Fp8LinearFunction(torch.autograd.Function):
 # The module
 # --------------------------------------------------------------------------------------------
 
+
+def _init_fp8(
+    module: nn.Module,
+    recipe: Fp8Recipe | str,
+    device: torch.device | None,
+    amax_history_len: int = DEFAULT_AMAX_HISTORY_LEN,
+    use_scaled_mm: bool = True,
+) -> None:
+    """The FP8 settings (and, for the delayed recipe, the amax histories) of a module running FP8 GEMMs."""
+    module.recipe = Fp8Recipe(recipe)
+    module.use_scaled_mm = bool(use_scaled_mm)
+    module.amax_history_len = int(amax_history_len)
+    if module.recipe is Fp8Recipe.DELAYED:
+        register_amax_histories(module, module.amax_history_len, device)
+
+
+def _fp8_matmul(module: nn.Module, x: Tensor, weight: Tensor) -> Tensor:
+    """``x @ weight.T`` in FP8 with ``module``'s recipe, options and (delayed) amax histories."""
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(
+            f"{type(module).__name__}: input has {x.shape[-1]} features but the weight is {tuple(weight.shape)}"
+        )
+    device_type = x.device.type
+    out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+    settings = _GemmSettings(module.recipe, module.use_scaled_mm, amax_histories(module), module.training, module)
+    with torch.autocast(device_type, enabled=False):
+        y = _Fp8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, settings, out_dtype)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
 _OPTIONS = ("amax_history_len", "use_scaled_mm")
 
 
@@ -269,18 +298,8 @@ class Fp8Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._init_fp8(recipe, self.weight.device, **options)
 
-    def _init_fp8(
-        self,
-        recipe: Fp8Recipe | str,
-        device: torch.device,
-        amax_history_len: int = DEFAULT_AMAX_HISTORY_LEN,
-        use_scaled_mm: bool = True,
-    ) -> None:
-        self.recipe = Fp8Recipe(recipe)
-        self.use_scaled_mm = bool(use_scaled_mm)
-        self.amax_history_len = int(amax_history_len)
-        if self.recipe is Fp8Recipe.DELAYED:
-            register_amax_histories(self, self.amax_history_len, device)
+    def _init_fp8(self, recipe: Fp8Recipe | str, device: torch.device, **options: Any) -> None:
+        _init_fp8(self, recipe, device, **options)
 
     @staticmethod
     def _check_options(options: dict[str, Any]) -> None:
@@ -312,15 +331,7 @@ class Fp8Linear(nn.Linear):
         return f"{super().extra_repr()}, recipe={self.recipe.value}"
 
     def _fp8_matmul(self, x: Tensor) -> Tensor:
-        weight = self.weight
-        if x.shape[-1] != weight.shape[-1]:
-            raise ValueError(f"Fp8Linear: input has {x.shape[-1]} features but the weight is {tuple(weight.shape)}")
-        device_type = x.device.type
-        out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-        settings = _GemmSettings(self.recipe, self.use_scaled_mm, amax_histories(self), self.training, self)
-        with torch.autocast(device_type, enabled=False):
-            y = _Fp8LinearFunction.apply(x.reshape(-1, x.shape[-1]), weight, settings, out_dtype)
-        return y.reshape(*x.shape[:-1], weight.shape[0])
+        return _fp8_matmul(self, x, self.weight)
 
     def advance_history(self) -> None:
         """End of an optimizer step (delayed recipe): the step's amaxes enter the histories."""
@@ -338,3 +349,31 @@ class Fp8Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         y = self._fp8_matmul(x)
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+class Fp8Projection(nn.Module):
+    """The FP8 GEMM of a projection whose weight another module holds as a bare parameter
+    (``nn.MultiheadAttention``'s ``in_proj_weight``, used row block by row block): no parameters of
+    its own, ``forward(x, weight, bias)`` computes ``x @ weight.T (+ bias)`` as :class:`Fp8Linear`
+    does, with the same recipes, options and delayed-scaling histories (one set for every GEMM of
+    that weight: the step's largest amax over q, k and v). The weight is passed at each call, so it
+    is whatever the owner holds then (a tp shard, FSDP2's gathered parameter)."""
+
+    def __init__(
+        self, recipe: Fp8Recipe | str = Fp8Recipe.TENSORWISE, device: torch.device | None = None, **options: Any
+    ) -> None:
+        Fp8Linear._check_options(options)
+        super().__init__()
+        _init_fp8(self, recipe, device, **options)
+
+    def extra_repr(self) -> str:
+        return f"recipe={self.recipe.value}"
+
+    def advance_history(self) -> None:
+        advance_amax_histories(self)
+
+    def forward(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        if fp8_is_disabled():
+            return F.linear(x, weight, bias)
+        y = _fp8_matmul(self, x, weight)
+        return y if bias is None else y + bias.to(y.dtype)

@@ -1,5 +1,8 @@
 """Which linear layers compute in FP8: the block projections model discovery found.
 
+nn.MultiheadAttention counts too: its out_proj is an nn.Linear, and its in-projection (a bare
+``in_proj_weight``) gets FP8 GEMMs of its own (:func:`fp8_attention_targets`, ``fp8.attention``).
+
 Attention and MLP projections, and the expert (and shared-expert) MLPs of a MoE, are the
 GEMMs that dominate a transformer's FLOPs. The head sees the whole vocabulary's logits and
 the router decides where tokens go, so both stay bf16 unless asked. GPT-2's Conv1D and
@@ -30,9 +33,8 @@ def fp8_targets(
     for i, block in enumerate(plan.block_plans):
         prefix = plan.block_path(i)
         attention = block.attention
-        # nn.MultiheadAttention multiplies by in_proj_weight and out_proj.weight itself: no FP8 linear there.
-        keep = attention is not None and not attention.packed
-        projections = list(attention.column) + list(attention.row) if keep else []
+        # nn.MultiheadAttention: its out_proj here, its in-projection in fp8_attention_targets.
+        projections = [] if attention is None else list(attention.column) + list(attention.row)
         if block.mlp is not None:
             projections += list(block.mlp.column) + list(block.mlp.row)
         for p in projections:
@@ -49,3 +51,9 @@ def fp8_targets(
     if not keep_head_bf16 and plan.head is not None and not plan.tied_head:
         add(plan.head)
     return names
+
+
+def fp8_attention_targets(plan: ModelPlan) -> list[str]:
+    """The nn.MultiheadAttention modules whose in-projection (a bare parameter, not an nn.Linear)
+    computes in FP8 through ``fp8.attention`` (their out_proj is among :func:`fp8_targets`)."""
+    return [f"{plan.block_path(i)}.{att.path}" for i, att in plan.attentions if att.packed]

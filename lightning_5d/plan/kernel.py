@@ -28,9 +28,9 @@ _HF_IMPLEMENTATIONS = {
 
 def detect(attention: nn.Module) -> AttentionKernel:
     if isinstance(attention, nn.MultiheadAttention):
-        # F.multi_head_attention_forward calls F.scaled_dot_product_attention when need_weights=False
-        # (as nn.TransformerEncoderLayer asks); with need_weights=True it spells out the softmax, which
-        # cp notices (no attention call reached its route) and refuses.
+        # Its forward from its parts (lightning_5d.mha_parts, which cp installs) calls
+        # F.scaled_dot_product_attention when need_weights=False (as nn.TransformerEncoderLayer asks);
+        # need_weights=True spells out the softmax to return the weights, and cp refuses it at the call.
         return AttentionKernel.SDPA
     cls = type(attention)
     # The forward first; then the whole class, for kernels in helper methods.

@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 
+from lightning_5d.mha_parts import parts_forwards
 from lightning_5d.module_mode import eval_mode
 from lightning_5d.plan import paths, shape_sites
 from lightning_5d.plan.loose_params import loose_parameter_uses
@@ -154,7 +155,9 @@ def _observe_positions(root: nn.Module, plan: ModelPlan) -> ModelPlan:
     run, chain = _runner(root, plan)
     if run is None:
         return plan
-    with eval_mode(root), torch.enable_grad():  # grad on: nn.TransformerEncoderLayer's fused fast path stays off
+    # grad on: nn.TransformerEncoderLayer's fused fast path stays off; nn.MultiheadAttention from its
+    # parts: its SDPA call is then one the token-wise proof can replace.
+    with eval_mode(root), torch.enable_grad(), parts_forwards(root):
         reads = observe_reads(root, plan.embedding, run)
     if reads is None:
         return plan

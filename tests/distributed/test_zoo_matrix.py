@@ -12,12 +12,13 @@ import pytest
 
 from zoo_matrix import BY_ID, outcome_of, run_cells
 
-# Nine models of nine styles in eleven cells (five layouts), each passing today, all on 2 processes (one launch):
+# Nine models of nine styles in twelve cells (five layouts), each passing today, all on 2 processes (one launch):
 FAST = [
     "kwargs_forward__tp2psp",  # hand-written, keyword-only forwards, q/k/v biases: tp + sequence parallelism
     "phi3__cp2",  # Hugging Face Phi-3 (fused qkv_proj and gate_up_proj): context parallelism
     "torch_encoder__zero3",  # nn.TransformerEncoder / nn.MultiheadAttention: ZeRO-3
     "torch_encoder__tp2psp",  # the same under tp + SP: MHA by heads in its packed in_proj_weight
+    "torch_encoder__cp2",  # the same under cp: MHA from its parts, its causal mask read as ring attention's flag
     "olmo2__pp2",  # Hugging Face OLMo-2 (full-width q/k norms, post-norms): pipeline parallelism
     "olmo2__tp2",  # the same under tp: the full-width q/k norms as tp-distributed RMSNorms
     "gemma__pp2",  # Hugging Face Gemma (tied embeddings: a copy on each end, gradients summed): pp
@@ -33,6 +34,7 @@ FIXED = [
     "nanogpt__tp2xpp2",
     "direct_lm__pp2",  # no forward: pp runs training_step, the verifier runs the pieces in turn
     "direct_lm__fp8",
+    "torch_encoder__tp2pspxcp2xpp2",  # nn.MultiheadAttention from its parts under tp + SP, cp and pp
 ]
 # Refusals whose model_plan advice the runner follows: the cell is refused, the advice trains.
 MODEL_PLAN_ADVICE = ["direct_lm__tp2", "direct_lm__tp2psp", "direct_lm__tp2xpp2", "plain_torch__tp2",

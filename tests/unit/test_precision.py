@@ -133,6 +133,12 @@ def test_auto_backend_leaves_misaligned_layers_and_experts_to_torch(monkeypatch)
     assert FiveDPrecision("fp8")._choose_backend(single, False, shapes=aligned) is Fp8Backend.TRANSFORMER_ENGINE
     assert FiveDPrecision("fp8", recipe="mxfp8")._choose_backend(single, False, shapes=odd) is Fp8Backend.TORCH
     assert FiveDPrecision("fp8")._choose_backend(single, False, experts=True) is Fp8Backend.TORCH
+    # nn.MultiheadAttention's bare in_proj_weight: no TE layer holds it, our Fp8Projection does
+    attention = ["encoder.layers.0.self_attn"]
+    assert FiveDPrecision("fp8")._choose_backend(single, False, attentions=attention) is Fp8Backend.TORCH
+    explicit = FiveDPrecision("fp8", fp8={"backend": "transformer_engine"})
+    with pytest.raises(PrecisionError, match=r"nn.MultiheadAttention's in-projection \(encoder.layers.0.self_attn\)"):
+        explicit._choose_backend(single, False, attentions=attention)
     with pytest.raises(PrecisionError, match=r"q \(64 -> 48, not multiples of 32\)"):
         FiveDPrecision("fp8", recipe="mxfp8", fp8={"backend": "transformer_engine"})._choose_backend(
             single, False, shapes=odd

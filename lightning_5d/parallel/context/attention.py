@@ -36,6 +36,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_5d.config import ContextParallelMode, SequenceSharding
 from lightning_5d.parallel.context.batch import ContextParallelError
 from lightning_5d.parallel.context.hybrid import hybrid_attention
+from lightning_5d.parallel.context.multihead import prepare_multihead
 from lightning_5d.parallel.context.ring import ring_attention
 from lightning_5d.parallel.context.state import ContextState
 from lightning_5d.parallel.context.ulysses import alltoall_attention
@@ -245,14 +246,9 @@ def route_attention(
         attention = module.get_submodule(path)
         where = f"{path} ({type(attention).__name__})"
         if isinstance(attention, nn.MultiheadAttention):
-            # Its SDPA call is inside F.multi_head_attention_forward, itself a torch function: a
-            # TorchFunctionMode sees only that outer call, so the inner one would run on the shard alone.
-            raise ContextParallelError(
-                f"{where} is nn.MultiheadAttention, whose F.scaled_dot_product_attention call happens inside "
-                f"torch's F.multi_head_attention_forward, where cp={cp.size} cannot turn it into ring attention. Use "
-                f"cp=1 for this model, or write the attention with its own q/k/v projections calling "
-                f"F.scaled_dot_product_attention."
-            )
+            # Its SDPA call sits inside F.multi_head_attention_forward, out of the route's reach: it
+            # runs the forward built from its parts, whose own SDPA call is routed below.
+            prepare_multihead(cp, attention, where)
         if att.kernel is AttentionKernel.EXPLICIT_SOFTMAX:
             raise ContextParallelError(
                 f"{where} computes softmax(QKᵀ)V itself, which ring attention cannot replace; call "

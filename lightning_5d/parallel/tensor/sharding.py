@@ -48,7 +48,7 @@ from lightning_5d.config import LayoutError
 from lightning_5d.parallel.tensor import ops as tensor_ops
 from lightning_5d.parallel.tensor.local_shapes import localize_shapes
 from lightning_5d.parallel.tensor.head_bias import wrap_per_head_bias
-from lightning_5d.parallel.tensor.packed_attention import check_supported, local_heads_forward, map_qkv_inputs
+from lightning_5d.parallel.tensor.packed_attention import map_qkv_inputs, run_local_heads
 from lightning_5d.parallel.tensor.regather import RegatherRegion
 from lightning_5d.parallel.tensor.vocab import vocab_parallel_forward, vocab_range
 from lightning_5d.parallel.tensor.width_norm import distributed_rms_forward, find_width_norms
@@ -143,8 +143,6 @@ def validate_tensor_parallel(plan: ModelPlan, root: nn.Module, tp: int) -> None:
         block = root.get_submodule(plan.block_path(i))
         if att is not None:
             _check_heads(plan, i, att, tp, where, need)
-            if att.packed:
-                check_supported(block.get_submodule(att.path), f"{plan.block_path(i)}.{att.path}", tp)
         mlp_col = block_plan.mlp.column if block_plan.mlp else ()
         mlp_row = block_plan.mlp.row if block_plan.mlp else ()
         for p in (att.column if att else ()) + mlp_col:
@@ -333,6 +331,9 @@ class TensorParallel:
             self._shard_param(module, "in_proj_weight", TensorShard(0, p.segments))
             if module.in_proj_bias is not None:
                 self._shard_param(module, "in_proj_bias", TensorShard(0, p.segments))
+            for extra in ("bias_k", "bias_v"):  # add_bias_kv: [1, 1, E], the entries of the rank's heads
+                if getattr(module, extra, None) is not None:
+                    self._shard_param(module, extra, TensorShard(2))
             return
         shard = _column_shard(p)
         self._shard_param(module, "weight", shard)
@@ -400,10 +401,8 @@ class TensorParallel:
                 for p in att.column:
                     self._column(block, p)
                 self._row(block, att.o)
-                if att.packed:  # the forward reads these as the rank's: H/t heads of E/t features
-                    attention.num_heads = att.num_heads // self.size
-                    attention.embed_dim = attention.embed_dim // self.size
-                    attention.forward = local_heads_forward(attention, self.rank, self.size)
+                if att.packed:  # its forward from its parts, with H/t heads of E/t features
+                    run_local_heads(attention, self.rank, self.size)
                 else:
                     for attr in att.head_attributes:
                         setattr(attention, attr, getattr(attention, attr) // self.size)

@@ -143,10 +143,10 @@ def test_a_failure_in_the_model_names_the_line_of_the_model_that_failed():
 
 
 def test_a_refusal_met_in_the_probe_forward_keeps_its_own_advice():
-    from lightning_5d.parallel.tensor.packed_attention import local_heads_forward
+    from lightning_5d.parallel.tensor.packed_attention import run_local_heads
 
     attention = nn.MultiheadAttention(8, 2, batch_first=True)
-    attention.forward = local_heads_forward(attention, rank=0, tp=1)
+    run_local_heads(attention, rank=0, tp=1)
     x = torch.zeros(1, 4, 8)
     with pytest.raises(ProbeError) as raised:
         run_probe(attention, {"input_ids": x}, lambda b: attention(b["input_ids"], x, x))  # need_weights=True

@@ -1,6 +1,6 @@
 """nn.MultiheadAttention under tensor parallelism, in one process: t copies of the module each
 holding one rank's cut (``TensorShard`` of in_proj_weight / in_proj_bias / out_proj.weight, as
-``TensorParallel`` cuts them), run with ``local_heads_forward``; the sum of their out_proj partials
+``TensorParallel`` cuts them), run with ``run_local_heads``; the sum of their out_proj partials
 plus the bias (what g computes) and their gradients must equal the unsharded module's."""
 
 import copy
@@ -10,12 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_5d.parallel.tensor.packed_attention import (
-    PackedAttentionError,
-    check_supported,
-    local_heads_forward,
-    map_qkv_inputs,
-)
+from lightning_5d.mha_parts import MhaPartsError
+from lightning_5d.parallel.tensor.packed_attention import PackedAttentionError, map_qkv_inputs, run_local_heads
 from lightning_5d.parallel.tensor.sharding import TensorShard
 
 E, H = 16, 4
@@ -32,9 +28,11 @@ def _shards(full: nn.MultiheadAttention, tp: int) -> list[nn.MultiheadAttention]
         if full.in_proj_bias is not None:
             m.in_proj_bias = nn.Parameter(qkv.take(full.in_proj_bias.detach(), r, tp).clone())
         m.out_proj.weight = nn.Parameter(TensorShard(1).take(full.out_proj.weight.detach(), r, tp).clone())
+        for extra in ("bias_k", "bias_v"):
+            if getattr(full, extra) is not None:
+                setattr(m, extra, nn.Parameter(TensorShard(2).take(getattr(full, extra).detach(), r, tp).clone()))
         m.out_proj.forward = lambda x, m=m: F.linear(x, m.out_proj.weight)
-        m.num_heads, m.embed_dim = H // tp, E // tp
-        m.forward = local_heads_forward(m, r, tp)
+        run_local_heads(m, r, tp)
         ranks.append(m)
     return ranks
 
@@ -49,7 +47,7 @@ def _causal(n):
 
 
 CASES = {
-    # name: (batch_first, bias, input shape, call keyword arguments builder)
+    # name: (batch_first, bias, input shape, call keyword arguments builder, module options)
     "encoder causal, is_causal": (True, True, (2, 6), lambda n, b: {"attn_mask": _causal(n), "is_causal": True}),
     "seq-first, float mask": (False, True, (2, 6), lambda n, b: {"attn_mask": _causal(n)}),
     "bool mask + padding": (
@@ -73,15 +71,22 @@ CASES = {
     ),
     "per-head 3-D mask": (True, True, (2, 5), lambda n, b: {"attn_mask": torch.randn(b * H, n, n)}),
     "no mask, unbatched": (True, True, (None, 5), lambda n, b: {}),
+    "add_bias_kv + add_zero_attn, per-head mask": (
+        True,
+        True,
+        (2, 5),
+        lambda n, b: {"attn_mask": torch.randn(b * H, n, n)},
+        {"add_bias_kv": True, "add_zero_attn": True},
+    ),
 }
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_heads_of_tp_ranks_sum_to_the_module(case, tp):
-    batch_first, bias, (b, n), kwargs_of = CASES[case]
+    batch_first, bias, (b, n), kwargs_of, *options = CASES[case]
     torch.manual_seed(0)
-    full = nn.MultiheadAttention(E, H, bias=bias, batch_first=batch_first).double()
+    full = nn.MultiheadAttention(E, H, bias=bias, batch_first=batch_first, **(options or [{}])[0]).double()
     ranks = _shards(full, tp)
     shape = (n, E) if b is None else ((b, n, E) if batch_first else (n, b, E))
     x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
@@ -105,6 +110,9 @@ def test_the_heads_of_tp_ranks_sum_to_the_module(case, tp):
         torch.testing.assert_close(m.out_proj.weight.grad, TensorShard(1).take(full.out_proj.weight.grad, r, tp))
         if bias:
             torch.testing.assert_close(m.in_proj_bias.grad, qkv.take(full.in_proj_bias.grad, r, tp))
+        if full.bias_k is not None:
+            torch.testing.assert_close(m.bias_k.grad, TensorShard(2).take(full.bias_k.grad, r, tp))
+            torch.testing.assert_close(m.bias_v.grad, TensorShard(2).take(full.bias_v.grad, r, tp))
 
 
 def test_cross_attention_with_other_key_and_value():
@@ -116,16 +124,11 @@ def test_cross_attention_with_other_key_and_value():
     torch.testing.assert_close(_sharded_call(ranks, full, q, kv, kv, need_weights=False), expected)
 
 
-def test_need_weights_and_unsplittable_settings_are_refused():
+def test_need_weights_is_refused_with_the_fix():
     ranks = _shards(nn.MultiheadAttention(E, H, batch_first=True), 2)
     x = torch.randn(1, 3, E)
-    with pytest.raises(PackedAttentionError, match="need_weights=False"):
+    with pytest.raises(MhaPartsError, match="tp=2 .*need_weights=True.*2 of 4.*Pass need_weights=False"):
         ranks[0](x, x, x)  # torch's default need_weights=True
-    with pytest.raises(PackedAttentionError, match="add_bias_kv=True"):
-        check_supported(nn.MultiheadAttention(E, H, add_bias_kv=True), "layers.0.attn", 2)
-    with pytest.raises(PackedAttentionError, match="add_zero_attn=True"):
-        check_supported(nn.MultiheadAttention(E, H, add_zero_attn=True), "layers.0.attn", 2)
-    check_supported(nn.MultiheadAttention(E, H, bias=False), "layers.0.attn", 2)
 
 
 def test_f_runs_once_per_distinct_input_and_sequence_parallelism_refuses_cross_attention():
