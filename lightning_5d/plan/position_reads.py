@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_5d.config import LayoutError
+from lightning_5d.plan.arange_flow import ArangeFlow
 from lightning_5d.forward_patch import replace_forward
 
 PROBE_LENGTHS = (8, 12)  # two lengths: a read that follows the sequence length is seen to
@@ -270,20 +271,22 @@ def _watch(root: nn.Module, token_embedding: str, run: Runner) -> tuple[Position
     seen: dict[str, list[tuple[int, bool]]] = {}  # embedding -> [(length, fed an arange of it)]
     table_reads: dict[int, list[set[int]]] = {}  # table id -> per probe, the dims sliced to its length
     for n in PROBE_LENGTHS:
-        watch = _Watch(tables)
+        watch, flow = _Watch(tables), ArangeFlow()
         fed: list[Tensor] = []
         handles = [m.register_forward_pre_hook(_record_input(path, n, watch, seen, fed))
                    for path, m in embeddings.items()]  # fmt: skip
         try:
-            with watch, torch.no_grad():
+            with watch, flow, torch.no_grad():
                 out = run(torch.zeros(1, n, dtype=torch.long))
         finally:
             for h in handles:
                 h.remove()
         if out is None or watch.other_use:
             return None
-        # Every arange the forward built went into a position embedding (none left for rotary angles).
-        if any(not any(_same_storage(a, f) for f in fed) for a in watch.aranges):
+        # Every arange the forward built went into a position embedding (none left for rotary angles),
+        # or reaches the output only through an ALiBi attn_mask (which ring attention rebuilds).
+        reaching = flow.labels(out)
+        if any(i in reaching and not any(_same_storage(a, f) for f in fed) for i, a in enumerate(flow.aranges)):
             return None
         for key, reads in watch.slices.items():
             if any(length != n for _, length in reads) and not tables[key][2]:
