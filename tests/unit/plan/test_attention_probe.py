@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_5d.plan import discover
+from lightning_5d.plan.describe import describe
 from lightning_5d.plan.blocks import ModelMappingError
 from lightning_5d.plan.model_plan import ColumnLayout
 
@@ -117,6 +118,7 @@ def test_alibi_is_proven_and_its_positions_need_nothing_from_the_model():
     assert bias is not None and bias.causal and bias.form.value == "key_minus_query"
     assert bias.slopes == tuple(2 ** (-8 * (h + 1) / HEADS) for h in range(HEADS))
     assert plan.uses_positions is False and plan.position_reads == ()
+    assert "bias              ALiBi key_minus_query, causal; slopes 0.25, 0.0625" in describe(plan)
 
 
 def test_a_per_head_bias_that_is_not_linear_in_the_distance_is_not_proven():
@@ -127,6 +129,7 @@ def test_a_per_head_bias_that_is_not_linear_in_the_distance_is_not_proven():
     att = plan.block_plans[0].attention
     assert att.per_head_bias and att.linear_bias is None
     assert plan.uses_positions is None  # not observed
+    assert "bias              per-head (not slopes x distances)" in describe(plan)
 
 
 def test_parameters_untouched_by_the_probe():
