@@ -74,43 +74,55 @@ def read_linear_bias(mask: Tensor | None) -> LinearBias | None:
     """The :class:`LinearBias` ``mask`` is, or None when it is not one (see the module docstring).
 
     ``mask``: a float ``attn_mask`` as given to ``F.scaled_dot_product_attention``, ``[n, n]`` or
-    ``[..., H, n, n]`` with every leading slice the same (a batch dim of copies is fine)."""
+    ``[..., H, n, n]`` with every leading slice the same (a batch dim of copies is fine). Context
+    parallelism reads every call's mask, so the check runs over blocks of rows of one head at a
+    time: its temporaries stay a few ``_CHUNK``-element tensors whatever the mask's size."""
     if mask is None or not isinstance(mask, Tensor) or not mask.is_floating_point() or mask.dim() < 2:
         return None
     if mask.requires_grad or mask.size(-1) != mask.size(-2) or mask.size(-1) < 2:
         return None
     m = mask.detach()
     m = m.reshape(-1, *m.shape[-3:]) if m.dim() >= 3 else m[None, None]
-    if not bool((m == m[:1]).logical_or(m.isnan() & m[:1].isnan()).all()):
+    if m.size(0) > 1 and not bool((m == m[:1]).logical_or(m.isnan() & m[:1].isnan()).all()):
         return None  # leading slices differ (a per-sample mask: padding, documents)
-    m = m[0].to(torch.float64)  # [H, n, n]; fp64 so the check's own arithmetic adds no error
-    n = m.size(-1)
-    if bool(m.isnan().any()) or bool((m == float("inf")).any()):
-        return None
-    masked = m == float("-inf")
-    above = torch.ones(n, n, dtype=torch.bool, device=m.device).triu(1)
-    causal = bool(masked.any())
-    if causal and not bool((masked == above).all()):
-        return None  # a mask other than the causal one (windows, documents, padding)
+    m = m[0]  # [H, n, n]
+    causal = bool(m[0, 0, 1] == float("-inf"))
     forms = (DistanceForm.KEY_MINUS_QUERY,) if causal else tuple(DistanceForm)
     row = 1 if causal else 0  # a row with two kept entries: (1, 0), (1, 1) causal; (0, 0), (0, 1) else
+    eps = torch.finfo(mask.dtype).eps
     for form in forms:
-        step = m[:, row, 1] - m[:, row, 0]  # m·δ(row, 1) − m·δ(row, 0)
+        step = m[:, row, 1].double() - m[:, row, 0].double()  # m·δ(row, 1) − m·δ(row, 0)
         slopes = step if form is DistanceForm.KEY_MINUS_QUERY or causal else -step
         candidate = LinearBias(tuple(float(s) for s in slopes.to(mask.dtype)), form, causal)
-        if _holds(m, candidate, masked, torch.finfo(mask.dtype).eps):
+        if all(_holds(m[h], candidate, h, eps) for h in range(m.size(0))):
             return candidate
     return None
 
 
-def _holds(m: Tensor, bias: LinearBias, masked: Tensor, eps: float) -> bool:
-    """Every kept entry minus its row's diagonal (the per-row constant) is ``m_h · δ(i, j)``."""
-    n = m.size(-1)
-    pos = torch.arange(n, device=m.device)
-    slopes = torch.tensor(bias.slopes, dtype=torch.float64, device=m.device)
-    want = slopes[:, None, None] * bias.distances(pos, pos).to(torch.float64)[None]
-    centered = m - m.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)
-    kept = ~masked
-    magnitude = float(m[kept].abs().max()) if bool(kept.any()) else 0.0
-    tolerance = _ULPS * eps * (1.0 + magnitude)
-    return bool(((centered - want).abs() <= tolerance).logical_or(masked).all())
+_CHUNK = 1 << 20  # elements of one block of rows the check holds at a time
+
+
+def _holds(head: Tensor, bias: LinearBias, h: int, eps: float) -> bool:
+    """Head ``h``'s ``[n, n]`` slice: ``-inf`` exactly where ``j > i`` (causal) or nowhere, no
+    nan or +inf, and every kept entry minus its row's diagonal entry (the per-row constant)
+    equal to ``m_h · δ(i, j)`` within ``_ULPS`` units of the row block's largest magnitude."""
+    n = head.size(-1)
+    pos = torch.arange(n, device=head.device)
+    diagonal = head.diagonal().double()
+    slope = bias.slopes[h]
+    rows = max(1, _CHUNK // n)
+    for start in range(0, n, rows):
+        block = head[start : start + rows].double()
+        i = pos[start : start + rows]
+        masked = block == float("-inf")
+        above = pos[None, :] > i[:, None]
+        if not torch.equal(masked, above if bias.causal else torch.zeros_like(above)):
+            return False  # a mask other than the causal one (windows, documents, padding)
+        kept = block.masked_fill(masked, 0.0)
+        if not bool(kept.isfinite().all()):
+            return False  # nan or +inf
+        want = slope * bias.distances(i, pos).double()
+        error = (kept - diagonal[start : start + rows, None] - want).masked_fill(masked, 0.0).abs()
+        if float(error.max()) > _ULPS * eps * (1.0 + float(kept.abs().max())):
+            return False
+    return True

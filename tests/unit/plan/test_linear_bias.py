@@ -133,3 +133,17 @@ def test_an_arange_that_reaches_q_or_a_mask_of_another_kind_does():
         added.add_(torch.arange(N))
     assert flow.labels(out_q) == {0} and flow.labels(out_mask) == {1}
     assert flow.labels(written_into) == {2} and flow.labels(added) == {3}
+
+
+def test_the_check_runs_over_blocks_of_rows(monkeypatch):
+    """Every call's mask is read under cp, so the check holds a few rows at a time; a bad entry
+    in a later block is still found."""
+    import lightning_5d.plan.linear_bias as linear_bias
+
+    monkeypatch.setattr(linear_bias, "_CHUNK", 2 * N)  # two rows per block
+    mask = written("j").masked_fill(ABOVE, float("-inf"))
+    assert read_linear_bias(mask) == LinearBias(tuple(SLOPES.tolist()), DistanceForm.KEY_MINUS_QUERY, True)
+    window = mask.masked_fill(POS[:, None] - POS[None, :] > 5, float("-inf"))  # rows 6, 7 only
+    assert read_linear_bias(window) is None
+    mask[3, N - 1, 2] += 1e-3
+    assert read_linear_bias(mask) is None
