@@ -106,12 +106,15 @@ def _bias_mode_refusal(cp: ContextState, where: str) -> str:
 
 
 def _proven_bias(cp: ContextState, mask: Tensor, planned: LinearBias, where: str) -> LinearBias:
-    """This call's mask read as the ALiBi bias the probe proved (its slopes: this rank's heads)."""
+    """This call's mask read as the ALiBi bias the probe proved; its slopes must be one tp rank's
+    share of the probe's (all of them at tp=1), in order."""
     found = read_linear_bias(mask)
-    if found is None or found.form is not planned.form or found.causal != planned.causal:
+    share = len(found.slopes) if found is not None else 0
+    shares = {planned.slopes[i : i + share] for i in range(0, len(planned.slopes), share or 1)}
+    if found is None or (found.form, found.causal) != (planned.form, planned.causal) or found.slopes not in shares:
         raise ContextParallelError(
             f"{where} passed an attn_mask of shape {tuple(mask.shape)} that is not the ALiBi bias the discovery probe "
-            f"proved (per-head slopes x {planned.form.value} distances, causal={planned.causal}): ring attention "
+            f"proved (slopes {planned.slopes} x {planned.form.value} distances, causal={planned.causal}): ring attention "
             f"under cp={cp.size} rebuilds the bias from global positions, so the mask must be that shape on the "
             f"shard's own tokens (built from arange of the length it is called with). Use cp=1 for this model."
         )

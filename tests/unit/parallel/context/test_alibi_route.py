@@ -25,14 +25,14 @@ class Attention(nn.Module):
 
     def __init__(self, form: str) -> None:
         super().__init__()
-        self.form, self.broken = form, False
+        self.form, self.broken, self.slope_scale = form, False, 1.0
         self.heads = HEADS
         self.to_q = nn.Linear(DIM, DIM, bias=False)
         self.to_kv = nn.Linear(DIM, 2 * KV * DIM // HEADS, bias=False)
         self.to_out = nn.Linear(DIM, DIM, bias=False)
 
     def bias(self, n: int) -> torch.Tensor:
-        slopes = torch.tensor([2 ** (-8 * (h + 1) / self.heads) for h in range(self.heads)])
+        slopes = torch.tensor([2 ** (-8 * (h + 1) / self.heads) for h in range(self.heads)]) * self.slope_scale
         pos = torch.arange(n)
         i, j = pos[:, None].float(), pos[None, :].float()
         distance = {"j - i": j - i, "j": j.expand(n, n), "-|i - j|": -(i - j).abs()}[self.form]
@@ -130,6 +130,10 @@ def test_a_mask_that_is_not_the_proven_alibi_at_run_time_is_refused(plan):
     route_attention(OneRank(), model, plan, [])
     model.model.layers[0].attn.broken = True
     with pytest.raises(ContextParallelError, match="not the ALiBi bias the discovery probe proved.*Use cp=1"):
+        model(torch.randint(0, VOCAB, (1, N)))
+    model.model.layers[0].attn.broken = False
+    model.model.layers[0].attn.slope_scale = 2.0  # still ALiBi, but not with the slopes the probe saw
+    with pytest.raises(ContextParallelError, match="not the ALiBi bias the discovery probe proved"):
         model(torch.randint(0, VOCAB, (1, N)))
 
 
