@@ -18,7 +18,9 @@ width k draws on divided by ``d``.
 
 A float ``attn_mask`` with one slice per head that differs between heads (ALiBi's per-head
 slopes) is recorded too: tensor parallelism gives each rank a slice of the heads, so such a
-bias must be built for the rank's heads, which only the model's code can do.
+bias must be built for the rank's heads, which only the model's code can do. When the mask is
+proven to be slopes times token distances (:func:`lightning_5d.plan.linear_bias.read_linear_bias`),
+that is recorded as well: context parallelism rebuilds such a bias from global positions.
 
 Parameters and their gradients are left untouched (gradients are taken with respect to the
 leaves only); modules run in eval mode and return to their modes after.
@@ -38,6 +40,7 @@ from torch.overrides import TorchFunctionMode
 from lightning_5d.module_mode import eval_mode
 from lightning_5d.plan import kinds
 from lightning_5d.plan.hints import BlockHints
+from lightning_5d.plan.linear_bias import LinearBias, read_linear_bias
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class ObservedAttention:
 
     hints: BlockHints  # attention, q / k / v / kv / qkv, o and head counts
     per_head_bias: bool = False  # a float attn_mask that differs between heads
+    linear_bias: LinearBias | None = None  # the mask, proven ALiBi-shaped (slopes x distances)
 
 
 @dataclass
@@ -213,7 +217,7 @@ def _read(record: _Block, call: _Call, block: nn.Module) -> ObservedAttention | 
         return None
     hints.num_kv_heads = kv_width // head_dim
     hints.norms = _input_norm(record, qp, block)
-    return ObservedAttention(hints, _per_head_bias(call.mask, heads))
+    return ObservedAttention(hints, _per_head_bias(call.mask, heads), read_linear_bias(call.mask))
 
 
 def _input_norm(record: _Block, q: str, block: nn.Module) -> tuple[str, ...]:

@@ -69,7 +69,17 @@ def _attention_rows(a: AttentionPlan) -> list[str]:
         _row("head attributes", ", ".join(a.head_attributes) or "-", 2),
         _row("width reshapes", _sites(a.shape_sites), 2),
         _row("kernel", a.kernel.value, 2),
+        *([_row("bias", _bias(a), 2)] if a.per_head_bias or a.linear_bias else []),
     ]
+
+
+def _bias(a: AttentionPlan) -> str:
+    """The attention's observed score bias: ALiBi (proven) or another per-head one."""
+    if a.linear_bias is None:
+        return "per-head (not slopes x distances)"
+    b = a.linear_bias
+    slopes = ", ".join(f"{m:.4g}" for m in b.slopes)
+    return f"ALiBi {b.form.value}{', causal' if b.causal else ''}; slopes {slopes}"
 
 
 def _sites(sites: tuple) -> str:

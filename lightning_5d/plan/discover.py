@@ -137,8 +137,9 @@ def _with_observed(block: Merged, observed: ObservedAttention | None) -> Merged:
 def _mark_head_bias(plan: ModelPlan, observed: Mapping[int, ObservedAttention]) -> ModelPlan:
     blocks = list(plan.block_plans)
     for i, seen in observed.items():
-        if seen.per_head_bias and blocks[i].attention is not None:
-            blocks[i] = replace(blocks[i], attention=replace(blocks[i].attention, per_head_bias=True))
+        if (seen.per_head_bias or seen.linear_bias is not None) and blocks[i].attention is not None:
+            attention = replace(blocks[i].attention, per_head_bias=seen.per_head_bias, linear_bias=seen.linear_bias)
+            blocks[i] = replace(blocks[i], attention=attention)
     return replace(plan, block_plans=tuple(blocks))
 
 

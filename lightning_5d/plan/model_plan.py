@@ -15,6 +15,7 @@ from enum import Enum
 
 from torch import nn
 
+from lightning_5d.plan.linear_bias import LinearBias
 from lightning_5d.plan.position_reads import PositionRead
 
 
@@ -102,6 +103,9 @@ class AttentionPlan:
     # Observed: the attention call gets a float mask with a different bias per head (ALiBi
     # slopes), built inside the model from the full head count.
     per_head_bias: bool = False
+    # Observed: that mask proven to be slopes x token distances (+ the causal mask), so context
+    # parallelism can rebuild it from global positions (plan/linear_bias.py); None otherwise.
+    linear_bias: LinearBias | None = None
 
     @property
     def column(self) -> tuple[Projection, ...]:

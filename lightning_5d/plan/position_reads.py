@@ -52,6 +52,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_5d.config import LayoutError
+from lightning_5d.plan.arange_flow import ArangeFlow
 from lightning_5d.forward_patch import replace_forward
 from lightning_5d.plan import position_aranges
 from lightning_5d.plan.position_aranges import ArangeSite
@@ -323,19 +324,24 @@ def _watch(root: nn.Module, token_embedding: str, run: Runner) -> tuple[Position
     modules = position_aranges.module_paths(root)
     sites: dict[ArangeSite | None, dict[int, list[_ArangeCall]]] = {}  # site -> probe length -> its calls
     for n in PROBE_LENGTHS:
-        watch = _Watch(tables, modules)
+        watch, flow = _Watch(tables, modules), ArangeFlow()
         fed: list[Tensor] = []
         handles = [m.register_forward_pre_hook(_record_input(path, n, watch, seen, fed))
                    for path, m in embeddings.items()]  # fmt: skip
         try:
-            with watch, torch.no_grad():
+            with watch, flow, torch.no_grad():
                 out = run(torch.zeros(1, n, dtype=torch.long))
         finally:
             for h in handles:
                 h.remove()
         if out is None or watch.other_use:
             return None
+        # An arange that reaches the output only through a proven ALiBi attn_mask (which ring
+        # attention rebuilds from global positions) or not at all carries no position to redirect.
+        reaching = {id(flow.aranges[i]) for i in flow.labels(out)}
         for made, (site, scope) in zip(watch.aranges, watch.arange_calls):
+            if id(made) not in reaching:
+                continue
             call = _ArangeCall(scope, made.numel(), position_aranges.is_range_of(made, n),
                                any(_same_storage(made, f) for f in fed))  # fmt: skip
             sites.setdefault(site, {}).setdefault(n, []).append(call)

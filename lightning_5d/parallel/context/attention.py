@@ -17,7 +17,12 @@ Two routes, chosen per model at setup:
 
 What ring attention cannot honour is refused with the reason: explicit masks (padding,
 documents), attention dropout, sliding windows, keys of another length (caches,
-cross-attention), attention that spells out the softmax instead of calling a kernel.
+cross-attention), attention that spells out the softmax instead of calling a kernel. One
+kind of mask is honoured: an ALiBi bias the discovery probe proved to be per-head slopes times
+token distances (``AttentionPlan.linear_bias``). Each call's mask is proven again, its slopes
+read from it (under tp: the rank's heads), and ring attention rebuilds every block's bias from
+the global positions of its tokens (:mod:`.block_bias`); the mask itself, built from the
+shard's local numbering, is not used.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from lightning_5d.parallel.context.multihead import prepare_multihead
 from lightning_5d.parallel.context.ring import ring_attention
 from lightning_5d.parallel.context.state import ContextState
 from lightning_5d.parallel.context.ulysses import alltoall_attention
+from lightning_5d.plan.linear_bias import LinearBias, read_linear_bias
 from lightning_5d.plan.model_plan import AttentionKernel, ModelPlan
 
 HF_IMPLEMENTATION = "lightning_5d_ring"
@@ -52,9 +58,11 @@ _ACTIVE: list[ContextState] = []
 
 def attend(
     cp: ContextState, q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float | None,
-    mask: Any = None, dropout: float = 0.0, where: str = "attention",
+    mask: Any = None, dropout: float = 0.0, where: str = "attention", bias: LinearBias | None = None,
 ) -> Tensor:  # fmt: skip
-    """Attention of this rank's queries ([b, h, s_local, d]) over the whole sequence, by ``cp.mode``."""
+    """Attention of this rank's queries ([b, h, s_local, d]) over the whole sequence, by ``cp.mode``.
+
+    ``bias``: an ALiBi bias added at the tokens' global positions (ring and allgather modes)."""
     if mask is not None:
         raise ContextParallelError(
             f"{where} got an explicit attention mask of shape {tuple(getattr(mask, 'shape', ()))}; ring attention "
@@ -76,6 +84,8 @@ def attend(
         )
     cp.attention_calls += 1
     scale = q.size(-1) ** -0.5 if scale is None else float(scale)
+    if bias is not None and cp.mode not in _BIAS_MODES:
+        raise ContextParallelError(_bias_mode_refusal(cp, where))
     if cp.mode is ContextParallelMode.HYBRID:
         return hybrid_attention(q, k, v, cp.ulysses_group, cp.ulysses, cp.ring_group, causal=causal,
                                 sharding=cp.sharding, scale=scale, stats=cp.stats)  # fmt: skip
@@ -84,31 +94,62 @@ def attend(
                                   zigzag=cp.sharding is SequenceSharding.ZIGZAG,
                                   scale=scale)  # fmt: skip
     return ring_attention(q, k, v, cp.group, causal=causal, mode=cp.mode, sharding=cp.sharding, scale=scale,
-                          stats=cp.stats)  # fmt: skip
+                          stats=cp.stats, bias=bias)  # fmt: skip
+
+
+_BIAS_MODES = (ContextParallelMode.RING, ContextParallelMode.ALL_GATHER)
+
+
+def _bias_mode_refusal(cp: ContextState, where: str) -> str:
+    return (
+        f"{where} passes an ALiBi attention bias, which context.mode={cp.mode.value!r} does not carry (its all-to-all "
+        f"regroups heads and positions); use context.mode='ring' or 'allgather' for cp={cp.size}, which rebuild the "
+        f"bias from global positions."
+    )
+
+
+def _proven_bias(cp: ContextState, mask: Tensor, planned: LinearBias, where: str) -> LinearBias:
+    """This call's mask read as the ALiBi bias the probe proved; its slopes must be one tp rank's
+    share of the probe's (all of them at tp=1), in order."""
+    found = read_linear_bias(mask)
+    share = len(found.slopes) if found is not None else 0
+    shares = {planned.slopes[i : i + share] for i in range(0, len(planned.slopes), share or 1)}
+    if found is None or (found.form, found.causal) != (planned.form, planned.causal) or found.slopes not in shares:
+        raise ContextParallelError(
+            f"{where} passed an attn_mask of shape {tuple(mask.shape)} that is not the ALiBi bias the discovery probe "
+            f"proved (slopes {planned.slopes} x {planned.form.value} distances, causal={planned.causal}): ring attention "
+            f"under cp={cp.size} rebuilds the bias from global positions, so the mask must be that shape on the "
+            f"shard's own tokens (built from arange of the length it is called with). Use cp=1 for this model."
+        )
+    return found
 
 
 class _SdpaAsRing(TorchFunctionMode):
-    def __init__(self, cp: ContextState, where: str) -> None:
+    def __init__(self, cp: ContextState, where: str, bias: LinearBias | None = None) -> None:
         super().__init__()
-        self.cp, self.where = cp, where
+        self.cp, self.where, self.bias = cp, where, bias
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
         bound = {**dict(zip(_SDPA_ARGS, args)), **kwargs}
+        causal, mask, bias = bool(bound.get("is_causal", False)), bound.get("attn_mask"), None
+        if self.bias is not None and mask is not None:
+            bias = _proven_bias(self.cp, mask, self.bias, self.where)
+            causal, mask = bias.causal, None
         return attend(
-            self.cp, bound["query"], bound["key"], bound["value"],
-            causal=bool(bound.get("is_causal", False)), scale=bound.get("scale"), mask=bound.get("attn_mask"),
-            dropout=bound.get("dropout_p", 0.0), where=self.where,
+            self.cp, bound["query"], bound["key"], bound["value"], causal=causal, scale=bound.get("scale"),
+            mask=mask, dropout=bound.get("dropout_p", 0.0), where=self.where, bias=bias,
         )  # fmt: skip
 
 
-def route_sdpa(cp: ContextState, attention: nn.Module, where: str) -> None:
-    """Make ``attention``'s SDPA call ring attention while a shard is current."""
+def route_sdpa(cp: ContextState, attention: nn.Module, where: str, bias: LinearBias | None = None) -> None:
+    """Make ``attention``'s SDPA call ring attention while a shard is current (``bias``: the
+    ALiBi bias the probe proved for its mask)."""
 
     def sharded(original: Any, *args: Any, **kwargs: Any) -> Any:
-        with _SdpaAsRing(cp, where):
+        with _SdpaAsRing(cp, where, bias):
             return original(*args, **kwargs)
 
     cp.wrap_forward(attention, sharded)
@@ -241,6 +282,7 @@ def route_attention(
     if models:
         route_hugging_face(cp, models)
         return f"Hugging Face attention interface '{HF_IMPLEMENTATION}' (selected during steps)"
+    biased = False
     for i, att in plan.attentions:
         path = f"{plan.block_path(i)}.{att.path}"
         attention = module.get_submodule(path)
@@ -254,6 +296,13 @@ def route_attention(
                 f"{where} computes softmax(QKᵀ)V itself, which ring attention cannot replace; call "
                 f"F.scaled_dot_product_attention in its forward to use cp={cp.size}, or use cp=1."
             )
+        if att.linear_bias is not None:
+            # Proven ALiBi by the discovery probe: rebuilt from global positions in each block.
+            if cp.mode not in _BIAS_MODES:
+                raise ContextParallelError(_bias_mode_refusal(cp, where))
+            route_sdpa(cp, attention, where, att.linear_bias)
+            biased = True
+            continue
         if att.per_head_bias:
             # Seen by the discovery probe: ALiBi-style slopes times token distances, built inside
             # the model. Ring attention takes no bias, and distances built from the shard's own
@@ -266,4 +315,5 @@ def route_attention(
                 f"encoding without an attention bias (RoPE from position_ids) to use cp."
             )
         route_sdpa(cp, attention, where)
-    return "F.scaled_dot_product_attention in each block's attention"
+    alibi = " (its ALiBi bias rebuilt from global positions)" if biased else ""
+    return f"F.scaled_dot_product_attention in each block's attention{alibi}"

@@ -2,7 +2,8 @@
 
 Same contract as :mod:`lightning_5d.parallel.context.kernel`: ``q`` ``[b, hq, sq, d]``,
 ``k``/``v`` ``[b, hkv, sk, d]`` with ``hq % hkv == 0`` (grouped-query attention without
-repeating K/V), ``causal`` is the top-left aligned mask ``j ≤ i``. Everything is computed
+repeating K/V), ``causal`` is the top-left aligned mask ``j ≤ i``, ``bias`` an additive
+score bias ``[hb, sq, sk]`` (``hb`` 1 or ``hq``; ALiBi). Everything is computed
 in fp32 (fp64 stays fp64) and materializes the ``sq × sk`` score matrix, so it costs
 O(sq·sk) memory: the tests compare the fused kernels against it, and the kernel module
 falls back to it only for a dtype/device no fused kernel takes (fp64 on CUDA).
@@ -30,8 +31,11 @@ def _grouped(q: Tensor, hkv: int) -> Tensor:
     return q.reshape(b, hkv, hq // hkv, s, d)
 
 
-def _scores(q5: Tensor, k: Tensor, scale: float, causal: bool) -> Tensor:
+def _scores(q5: Tensor, k: Tensor, scale: float, causal: bool, bias: Tensor | None) -> Tensor:
     s = torch.matmul(q5, k.unsqueeze(2).transpose(-1, -2)) * scale
+    if bias is not None:  # [hb, sq, sk] onto the grouped [b, hkv, hq/hkv, sq, sk]
+        hkv, groups = q5.shape[1:3]
+        s = s + (bias.reshape(1, hkv, groups, *bias.shape[1:]) if bias.size(0) > 1 else bias).to(s.dtype)
     if causal:
         sq, sk = s.shape[-2:]
         keep = torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril()
@@ -39,19 +43,22 @@ def _scores(q5: Tensor, k: Tensor, scale: float, causal: bool) -> Tensor:
     return s
 
 
-def reference_block_forward(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+def reference_block_forward(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, bias: Tensor | None = None
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """``(O, lse)`` of one block: ``O`` ``[b, hq, sq, d]`` in q's dtype, ``lse`` ``[b, hq, sq]`` fp32/fp64."""
     cdt = _compute_dtype(q.dtype)
     b, hq, sq, d = q.shape
     hkv = k.size(1)
-    s = _scores(_grouped(q.to(cdt), hkv), k.to(cdt), scale, causal)
+    s = _scores(_grouped(q.to(cdt), hkv), k.to(cdt), scale, causal, bias)
     lse = torch.logsumexp(s, dim=-1)
     o = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.to(cdt).unsqueeze(2))
     return o.reshape(b, hq, sq, d).to(q.dtype), lse.reshape(b, hq, sq)
 
 
 def reference_block_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
+    bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """``dQ, dK, dV`` of one block given the rows' final ``out`` / ``lse`` (see the module docstring)."""
     cdt = _compute_dtype(q.dtype)
@@ -61,7 +68,7 @@ def reference_block_backward(
     kf, vf = k.to(cdt).unsqueeze(2), v.to(cdt).unsqueeze(2)
     lse5 = lse.to(cdt).reshape(b, hkv, hq // hkv, sq)
     delta = (do5 * _grouped(out.to(cdt), hkv)).sum(dim=-1)
-    p = torch.exp(_scores(q5, k.to(cdt), scale, causal) - lse5.unsqueeze(-1))
+    p = torch.exp(_scores(q5, k.to(cdt), scale, causal, bias) - lse5.unsqueeze(-1))
     dv = torch.matmul(p.transpose(-1, -2), do5).sum(dim=2)
     ds = p * (torch.matmul(do5, vf.transpose(-1, -2)) - delta.unsqueeze(-1))
     dq = torch.matmul(ds, kf) * scale

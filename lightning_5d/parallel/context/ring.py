@@ -38,6 +38,10 @@ diagonal block, so every rank does the same amount of work (see :func:`block_sch
 With ``"contiguous"`` the layout is contiguous (:func:`contiguous_shard`) and rank ``r``
 computes ``r+1`` blocks: the work is unbalanced.
 
+An ALiBi bias (``bias``: per-head slopes times token distances, :mod:`.block_bias`) is added
+to each product's scores, built from the global positions of its queries and keys; the
+causal structure stays the schedule's (the ``-inf`` of a causal bias are never built).
+
 Grouped-query attention (fewer KV heads than query heads): K/V keep their own head count
 in the ring buffers (the bytes per hop scale with ``hkv``, not ``hq``); the CPU kernel takes
 them as they are. The pure-math block attention of earlier versions is kept as the tests'
@@ -46,6 +50,7 @@ oracle in :mod:`lightning_5d.parallel.context.reference`.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -57,7 +62,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_5d.config import ContextParallelMode, SequenceSharding
+from lightning_5d.parallel.context.block_bias import BlockBias, shard_positions
 from lightning_5d.parallel.context.kernel import block_backward, block_forward
+from lightning_5d.plan.linear_bias import LinearBias
 
 __all__ = [
     "BlockProduct",
@@ -197,16 +204,22 @@ def _merge_into(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor, 
     l_view.copy_(new_lse)
 
 
+def _product_bias(bias: BlockBias | None, p: BlockProduct, dtype: torch.dtype) -> Tensor | None:
+    return None if bias is None else bias.product(p.q_half, p.k_half, dtype)
+
+
 def _apply_products(
-    state: tuple[Tensor, Tensor], q: Tensor, kv: Tensor, scale: float, products: list[BlockProduct]
-) -> int:
+    state: tuple[Tensor, Tensor], q: Tensor, kv: Tensor, scale: float, products: list[BlockProduct],
+    bias: BlockBias | None = None,
+) -> int:  # fmt: skip
     """Merge the block's fused-kernel results ``(O^(j), lse^(j))`` into the running ``state``."""
     out, lse = state
     units = 0
     for p in products:
         k = _half(kv[0].to(q.dtype), p.k_half, -2)
         v = _half(kv[1].to(q.dtype), p.k_half, -2)
-        block_out, block_lse = block_forward(_half(q, p.q_half, -2), k, v, scale, p.diagonal)
+        block_bias = _product_bias(bias, p, q.dtype)
+        block_out, block_lse = block_forward(_half(q, p.q_half, -2), k, v, scale, p.diagonal, block_bias)
         _merge_into(out, lse, block_out, block_lse, p.q_half)
         units += p.units
     return units
@@ -214,7 +227,7 @@ def _apply_products(
 
 def _backward_products(
     q: Tensor, kv: Tensor, do: Tensor, out: Tensor, lse: Tensor, dq: Tensor, dkv: Tensor, scale: float,
-    products: list[BlockProduct],
+    products: list[BlockProduct], bias: BlockBias | None = None,
 ) -> int:  # fmt: skip
     """Accumulate the block's contributions into ``dq`` (local) and ``dkv`` ([2, ...], fp32).
 
@@ -227,7 +240,8 @@ def _backward_products(
         k = _half(kv[0].to(q.dtype), p.k_half, -2)
         v = _half(kv[1].to(q.dtype), p.k_half, -2)
         sel = lambda x, dim=-2: _half(x, p.q_half, dim)  # noqa: E731
-        bdq, bdk, bdv = block_backward(sel(do), sel(q), k, v, sel(out), sel(lse, -1), scale, p.diagonal)
+        block_bias = _product_bias(bias, p, q.dtype)
+        bdq, bdk, bdv = block_backward(sel(do), sel(q), k, v, sel(out), sel(lse, -1), scale, p.diagonal, block_bias)
         sel(dq).add_(bdq)
         _half(dkv[0], p.k_half, -2).add_(bdk)
         _half(dkv[1], p.k_half, -2).add_(bdv)
@@ -288,6 +302,16 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _block_bias(
+    bias: LinearBias | None, rank: int, size: int, s_local: int, zigzag: bool, device: torch.device, src: int
+) -> BlockBias | None:  # fmt: skip
+    """The bias between this rank's queries and the KV block of rank ``src`` (None without a bias)."""
+    if bias is None:
+        return None
+    return BlockBias(bias, shard_positions(rank, size, s_local, zigzag, device),
+                     shard_positions(src, size, s_local, zigzag, device))  # fmt: skip
+
+
 def _record(stats: dict | None, key: str, amount: float) -> None:
     if stats is not None:
         stats[key] = stats.get(key, 0) + amount
@@ -301,8 +325,9 @@ class _RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, kv, group, causal, mode, zigzag, scale, stats):  # type: ignore[override]
+    def forward(ctx, q, kv, group, causal, mode, zigzag, scale, stats, bias):  # type: ignore[override]
         rank, size = _group_info(group)
+        block_bias = functools.partial(_block_bias, bias, rank, size, q.size(2), zigzag, q.device)
         cdt = _compute_dtype(q.dtype)
         # out keeps q's memory layout: models lay q out as [b, s, h, d] and transpose, so their
         # out.transpose(1, 2).reshape(b, s, h·d) after attention is then a view, not a copy.
@@ -310,12 +335,13 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=cdt, device=q.device)
         units = 0
         if size == 1:
-            units += _apply_products((out, lse), q, kv, scale, block_schedule(0, 0, 1, causal, zigzag))
+            products = block_schedule(0, 0, 1, causal, zigzag)
+            units += _apply_products((out, lse), q, kv, scale, products, block_bias(0))
         elif mode is ContextParallelMode.ALL_GATHER:
             full = _all_gather_kv(kv, group, size)
             for src in range(size):
                 products = block_schedule(rank, src, size, causal, zigzag)
-                units += _apply_products((out, lse), q, full[src], scale, products)
+                units += _apply_products((out, lse), q, full[src], scale, products, block_bias(src))
         else:
             shift = _RingShift(group, rank, size)
             current = kv.contiguous()
@@ -325,7 +351,7 @@ class _RingAttention(torch.autograd.Function):
                     incoming, works = shift.start(current)
                 src = (rank - step) % size
                 products = block_schedule(rank, src, size, causal, zigzag)
-                units += _apply_products((out, lse), q, current, scale, products)
+                units += _apply_products((out, lse), q, current, scale, products, block_bias(src))
                 if step + 1 < size:
                     waited += shift.wait(works)
                     current = incoming
@@ -335,6 +361,7 @@ class _RingAttention(torch.autograd.Function):
         lse = lse.to(torch.promote_types(lse.dtype, torch.float32)).contiguous()
         ctx.save_for_backward(q, kv, out, lse)
         ctx.group, ctx.causal, ctx.mode, ctx.zigzag, ctx.scale, ctx.stats = group, causal, mode, zigzag, scale, stats
+        ctx.bias = bias
         return out
 
     @staticmethod
@@ -342,6 +369,7 @@ class _RingAttention(torch.autograd.Function):
         q, kv, out, lse = ctx.saved_tensors
         group, causal, mode, zigzag, scale = ctx.group, ctx.causal, ctx.mode, ctx.zigzag, ctx.scale
         rank, size = _group_info(group)
+        block_bias = functools.partial(_block_bias, ctx.bias, rank, size, q.size(2), zigzag, q.device)
         cdt = _compute_dtype(q.dtype)
         do = dout.to(q.dtype)
         dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
@@ -349,13 +377,14 @@ class _RingAttention(torch.autograd.Function):
         if size == 1:
             dkv = torch.zeros(kv.shape, dtype=cdt, device=kv.device)
             products = block_schedule(0, 0, 1, causal, zigzag)
-            units += _backward_products(q, kv, do, out, lse, dq, dkv, scale, products)
+            units += _backward_products(q, kv, do, out, lse, dq, dkv, scale, products, block_bias(0))
         elif mode is ContextParallelMode.ALL_GATHER:
             full = _all_gather_kv(kv, group, size)
             dfull = torch.zeros(full.shape, dtype=cdt, device=kv.device)
             for src in range(size):
                 products = block_schedule(rank, src, size, causal, zigzag)
-                units += _backward_products(q, full[src], do, out, lse, dq, dfull[src], scale, products)
+                units += _backward_products(q, full[src], do, out, lse, dq, dfull[src], scale, products,
+                                            block_bias(src))  # fmt: skip
             dkv = torch.empty(kv.shape, dtype=cdt, device=kv.device)
             dist.reduce_scatter_tensor(dkv, dfull.flatten(0, 1), op=dist.ReduceOp.SUM, group=group)
         else:
@@ -372,7 +401,7 @@ class _RingAttention(torch.autograd.Function):
                 src = (rank - step) % size
                 local = torch.zeros(kv.shape, dtype=cdt, device=kv.device)
                 products = block_schedule(rank, src, size, causal, zigzag)
-                units += _backward_products(q, current, do, out, lse, dq, local, scale, products)
+                units += _backward_products(q, current, do, out, lse, dq, local, scale, products, block_bias(src))
                 if dkv_incoming is not None:  # the previous ranks' accumulation for block ``src``
                     waited += shift.wait(dkv_works)
                     local.add_(dkv_incoming)
@@ -384,7 +413,7 @@ class _RingAttention(torch.autograd.Function):
             dkv = dkv_incoming
             _record(ctx.stats, "backward_recv_wait_s", waited)
         _record(ctx.stats, "backward_units", units)
-        return dq.to(q.dtype), dkv.to(kv.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dkv.to(kv.dtype), None, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,6 +432,7 @@ def ring_attention(
     sharding: SequenceSharding | str = SequenceSharding.ZIGZAG,
     scale: float | None = None,
     stats: dict | None = None,
+    bias: LinearBias | None = None,
 ) -> Tensor:
     """Attention of the local queries against the whole sequence sharded over ``group``.
 
@@ -412,7 +442,9 @@ def ring_attention(
     ``stats``: optional dict; the work done (quarter-block units, see :class:`BlockProduct`)
     is added under ``"forward_units"`` / ``"backward_units"``, and in ring mode the seconds
     spent blocked on receives (what the compute of the current block did not hide) under
-    ``"forward_recv_wait_s"`` / ``"backward_recv_wait_s"``. Returns ``[b, hq, s_local, d]``.
+    ``"forward_recv_wait_s"`` / ``"backward_recv_wait_s"``. ``bias``: an ALiBi bias (slopes for
+    1 or ``hq`` heads) added to the scores at the tokens' global positions under ``sharding``;
+    its ``causal`` must be ``causal``. Returns ``[b, hq, s_local, d]``.
     """
     mode = ContextParallelMode(mode.value if isinstance(mode, Enum) else mode)
     if mode not in (ContextParallelMode.RING, ContextParallelMode.ALL_GATHER):
@@ -431,6 +463,14 @@ def ring_attention(
         raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
     if causal and zigzag and s % 2 != 0:
         raise ValueError(f"zig-zag needs an even local sequence length (two chunks per rank), got {s}")
+    if bias is not None:
+        if len(bias.slopes) not in (1, hq) or bias.causal != causal:
+            raise ValueError(f"bias with {len(bias.slopes)} slopes (causal={bias.causal}) for {hq} query heads "
+                             f"(causal={causal}): expected 1 or {hq} slopes and the same causality")  # fmt: skip
+        if zigzag and s % 2 != 0:
+            raise ValueError(f"zig-zag positions need an even local sequence length (two chunks per rank), got {s}")
+        if not any(bias.slopes):
+            bias = None  # all slopes 0: a constant bias, which softmax ignores
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     kv = torch.stack([k, v])  # [2, b, hkv, s, d]: one buffer per ring hop, K/V not repeated
-    return _RingAttention.apply(q, kv, group, causal, mode, zigzag, scale, stats)
+    return _RingAttention.apply(q, kv, group, causal, mode, zigzag, scale, stats, bias)

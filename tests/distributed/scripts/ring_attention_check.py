@@ -4,7 +4,9 @@ Usage: ring_attention_check.py OUT_JSON [--dtypes float32,bfloat16] [--seq GLOBA
 
 Every rank builds the same global q, k, v, grad_out (fixed seed), takes its shard
 (zig-zag or contiguous), runs ``ring_attention`` forward and backward, and compares out,
-dq, dk, dv with the shard of the fp64 SDPA reference. Errors are norm-relative
+dq, dk, dv with the shard of the fp64 SDPA reference. Ring and all-gather also run with an
+ALiBi bias (per-head slopes x token distances; ``bias`` in the record: its form), against
+SDPA with the whole sequence's bias as a float mask (the causal mask folded in). Errors are norm-relative
 (‖x − ref‖ / ‖ref‖). Rank 0 writes one record per combination, with every rank's work count.
 """
 
@@ -20,6 +22,7 @@ from lightning_5d.config import SequenceSharding
 from lightning_5d.parallel.context.hybrid import hybrid_attention
 from lightning_5d.parallel.context.ring import contiguous_shard, ring_attention, zigzag_shard
 from lightning_5d.parallel.context.ulysses import alltoall_attention
+from lightning_5d.plan.linear_bias import DistanceForm, LinearBias
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
@@ -49,12 +52,19 @@ if cp >= 4:
 
 records = []
 MODES = ("ring", "allgather", "alltoall", "hybrid")
-combos = itertools.product(args.dtypes.split(","), MODES, (False, True), (False, True), (HQ, HQ // 2))
-for dtype_name, mode, causal, zigzag, hkv in combos:
-    if mode == "alltoall" and (HQ % cp or hkv % cp):
-        continue  # heads must divide over cp (the error is a unit test)
-    if mode == "hybrid" and (hybrid_groups is None or hkv % ULYSSES):
-        continue
+SLOPES = tuple(2 ** (-8 * (h + 1) / HQ) for h in range(HQ))  # Press et al.'s slopes for HQ heads
+
+
+def dense_bias(bias):
+    """The whole sequence's bias as SDPA's float mask, -inf above the diagonal when causal."""
+    if bias is None:
+        return None
+    pos = torch.arange(S)
+    mask = bias.scores(pos, pos).double()
+    return mask.masked_fill(pos[None, :] > pos[:, None], float("-inf")) if bias.causal else mask
+
+
+def check(dtype_name, mode, causal, zigzag, hkv, bias=None):
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator().manual_seed(1234)
     q, k, v = (torch.randn(B, h, S, D, generator=gen).to(dtype) for h in (HQ, hkv, hkv))
@@ -62,7 +72,9 @@ for dtype_name, mode, causal, zigzag, hkv in combos:
 
     # reference: fp64 SDPA over the whole sequence, from the same (rounded) inputs
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-    ref = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal, enable_gqa=hkv != HQ)
+    mask = dense_bias(bias)
+    ref = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=mask, is_causal=causal and mask is None,
+                                         enable_gqa=hkv != HQ)  # fmt: skip
     ref.backward(grad_out.double())
     refs = {"out": ref.detach(), "dq": qr.grad, "dk": kr.grad, "dv": vr.grad}
 
@@ -76,9 +88,8 @@ for dtype_name, mode, causal, zigzag, hkv in combos:
                                sharding=SequenceSharding.ZIGZAG if zigzag else SequenceSharding.CONTIGUOUS,
                                scale=D**-0.5, stats=stats)  # fmt: skip
     else:
-        out = ring_attention(
-            ql, kl, vl, group, causal=causal, mode=mode, sharding="zigzag" if zigzag else "contiguous", stats=stats
-        )
+        out = ring_attention(ql, kl, vl, group, causal=causal, mode=mode, sharding="zigzag" if zigzag else "contiguous",
+                             stats=stats, bias=bias)  # fmt: skip
     out.backward(shard(grad_out))
     assert out.dtype == dtype and ql.grad.dtype == dtype and kl.grad.dtype == dtype
     mine = {"out": out.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
@@ -90,7 +101,21 @@ for dtype_name, mode, causal, zigzag, hkv in combos:
     units = [None] * cp
     dist.all_gather_object(units, stats)
     records.append({"dtype": dtype_name, "mode": mode, "causal": causal, "zigzag": zigzag, "hkv": hkv, "hq": HQ,
-                    "cp": cp, "errors": errors, "units": units})  # fmt: skip
+                    "cp": cp, "errors": errors, "units": units, "bias": bias and bias.form.value})  # fmt: skip
+
+
+combos = itertools.product(args.dtypes.split(","), MODES, (False, True), (False, True), (HQ, HQ // 2))
+for dtype_name, mode, causal, zigzag, hkv in combos:
+    if mode == "alltoall" and (HQ % cp or hkv % cp):
+        continue  # heads must divide over cp (the error is a unit test)
+    if mode == "hybrid" and (hybrid_groups is None or hkv % ULYSSES):
+        continue
+    check(dtype_name, mode, causal, zigzag, hkv)
+# ALiBi: causal m·(j − i), and the symmetric −m·|i − j| of an encoder (no mask)
+forms = ((DistanceForm.KEY_MINUS_QUERY, True), (DistanceForm.NEGATIVE_ABSOLUTE, False))
+for dtype_name, mode, (form, causal), zigzag in itertools.product(args.dtypes.split(","), ("ring", "allgather"),
+                                                                  forms, (False, True)):  # fmt: skip
+    check(dtype_name, mode, causal, zigzag, HQ // 2, LinearBias(SLOPES, form, causal))
 
 if rank == 0:
     with open(args.out, "w") as f:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_5d.plan import discover
+from lightning_5d.plan.describe import describe
 from lightning_5d.plan.blocks import ModelMappingError
 from lightning_5d.plan.model_plan import ColumnLayout
 
@@ -14,14 +15,15 @@ VOCAB, DIM, HEADS, KV, DEPTH = 64, 32, 4, 2, 2
 D = DIM // HEADS
 
 
-def alibi(heads: int, n: int) -> torch.Tensor:
+def alibi(heads: int, n: int, power: int = 1) -> torch.Tensor:
     slopes = torch.tensor([2 ** (-8 * (h + 1) / heads) for h in range(heads)])
     distance = (torch.arange(n)[None, :] - torch.arange(n)[:, None]).float()
-    return (slopes[:, None, None] * distance).masked_fill(distance > 0, float("-inf"))
+    return (slopes[:, None, None] * -(-distance) ** power).masked_fill(distance > 0, float("-inf"))
 
 
 class Attention(nn.Module):
-    """``kv``: "halves" [k|v] (chunk(2)), "pairs" k and v interleaved per head; ``bias``: ALiBi or a causal mask."""
+    """``kv``: "halves" [k|v] (chunk(2)), "pairs" k and v interleaved per head; ``bias``: ALiBi, a
+    per-head bias of squared distances, or a causal mask."""
 
     def __init__(self, kv: str = "halves", bias: str = "alibi") -> None:
         super().__init__()
@@ -43,8 +45,9 @@ class Attention(nn.Module):
             k, v = kv.view(b, n, self.kv_heads, 2, D).transpose(1, 2).unbind(-2)
         k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
         v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
-        if self.bias == "alibi":
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=alibi(self.heads, n))
+        if self.bias in ("alibi", "squared"):
+            mask = alibi(self.heads, n, power=1 if self.bias == "alibi" else 2)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.to_out(out.transpose(1, 2).reshape(b, n, -1))
@@ -103,6 +106,30 @@ def test_a_causal_mask_is_no_per_head_bias():
     torch.manual_seed(0)
     plan = discover(Outer(NestedLM(bias="causal")))
     assert not plan.block_plans[0].attention.per_head_bias
+    assert plan.block_plans[0].attention.linear_bias is None
+
+
+def test_alibi_is_proven_and_its_positions_need_nothing_from_the_model():
+    """The probe reads the mask as slopes x (j − i) under the causal mask; its arange feeds that
+    mask only, so the model reads no position context parallelism must redirect (NoPE)."""
+    torch.manual_seed(0)
+    plan = discover(Outer(NestedLM()))
+    bias = plan.block_plans[0].attention.linear_bias
+    assert bias is not None and bias.causal and bias.form.value == "key_minus_query"
+    assert bias.slopes == tuple(2 ** (-8 * (h + 1) / HEADS) for h in range(HEADS))
+    assert plan.uses_positions is False and plan.position_reads == ()
+    assert "bias              ALiBi key_minus_query, causal; slopes 0.25, 0.0625" in describe(plan)
+
+
+def test_a_per_head_bias_that_is_not_linear_in_the_distance_is_not_proven():
+    """Squared distances per head: a per-head bias (tp rebuilds it per rank), not ALiBi (cp stays
+    refused), and its arange reaches the output through a mask ring attention would not rebuild."""
+    torch.manual_seed(0)
+    plan = discover(Outer(NestedLM(bias="squared")))
+    att = plan.block_plans[0].attention
+    assert att.per_head_bias and att.linear_bias is None
+    assert plan.uses_positions is None  # not observed
+    assert "bias              per-head (not slopes x distances)" in describe(plan)
 
 
 def test_parameters_untouched_by_the_probe():

@@ -1,7 +1,8 @@
 """Ring, all-gather and all-to-all (Ulysses) attention on cp ranks vs full SDPA on the gathered sequence.
 
 One launch per world size checks every combination (mode × causal × zig-zag × GQA ×
-dtype) inside the script, forward and backward, against an fp64 SDPA reference; errors
+dtype, and ring / all-gather with an ALiBi bias) inside the script, forward and backward,
+against an fp64 SDPA reference; errors
 are norm-relative over the whole sequence. The fast tier runs cp=2 once.
 """
 
@@ -24,7 +25,14 @@ def run_check(tmp_path, cp, dtypes=("float32", "bfloat16"), seq=None, timeout=15
 
 
 def check_records(records, cp):
-    assert len(records) == len({(r["dtype"], r["mode"], r["causal"], r["zigzag"], r["hkv"]) for r in records})
+    keys = {(r["dtype"], r["mode"], r["causal"], r["zigzag"], r["hkv"], r["bias"]) for r in records}
+    assert len(records) == len(keys)
+    # ALiBi (issue 22) in ring and all-gather: causal m·(j − i) and the symmetric −m·|i − j|, both shardings
+    biased = {(r["mode"], r["bias"], r["causal"], r["zigzag"]) for r in records if r["bias"]}
+    assert {(m, b, c) for m, b, c, _ in biased} == {
+        (m, b, c) for m in ("ring", "allgather") for b, c in (("key_minus_query", True), ("negative_absolute", False))
+    }
+    assert {z for *_, z in biased} == {False, True}
     hq = records[0]["hq"]
     expected = {"ring", "allgather"} | ({"alltoall"} if hq % cp == 0 else set()) | ({"hybrid"} if cp >= 4 else set())
     assert {r["mode"] for r in records} == expected
