@@ -2,6 +2,7 @@
 
     python -m benchmarks.verify_cost                 # reference model (tp=2, zero=3) + the ~1.1B config (tp=2)
     python -m benchmarks.verify_cost --only small    # the reference model only (seconds)
+    python -m benchmarks.verify_cost --trace         # + rank 0's RSS around each verifier step, per piece
 
 Each case is one ``Trainer.fit`` on 2 CPU processes (gloo, fp32, ``OMP_NUM_THREADS=1``),
 verifier on: ``verify="blocks"`` (outputs and parameter gradients, the default) or, on the
@@ -69,16 +70,29 @@ def worker(args: argparse.Namespace) -> None:
     original = PlanCheck.after
 
     peaks: list[float] = []  # this process's peak RSS (MiB) before and after the verifier
+    trace = None
+    if args.trace:  # rank 0's RSS around each of the verifier's steps (benchmarks/verify_phases.py)
+        from benchmarks.verify_phases import PhaseTrace
+
+        trace = PhaseTrace()
+        trace.install()
+    shares: list[float] = []  # the RSS when the verifier starts: the rank's share
 
     def timed_after(self, *a, **k):
         peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        shares.append(_rss_mib())
         start, cpu = time.perf_counter(), time.process_time()
         try:
             return original(self, *a, **k)
         finally:
             seconds.append(time.perf_counter() - start)
             cpu_seconds.append(time.process_time() - cpu)
-            peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+            after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            if trace is not None:
+                # The trace resets the kernel's high-water mark (which ru_maxrss reads) before each
+                # step: the verifier's peak is the highest of its steps' peaks.
+                after = max([peaks[0], *(row["peak_mib"] for row in trace.rows)])
+            peaks.append(after)
 
     PlanCheck.after = timed_after
 
@@ -121,11 +135,24 @@ def worker(args: argparse.Namespace) -> None:
     if dist.get_rank() == 0:
         result = {"verify_s": seconds[0], "step_s": steps[len(steps) // 2], "steps": timer.times, "params": params,
                   "verify_cpu_s": cpu_seconds[0], "step_cpu_s": cpu_steps[len(cpu_steps) // 2],
-                  "peak_mib": peaks[:2], "final_peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+                  "peak_mib": peaks[:2],
+                  "final_peak_mib": max(peaks[1], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
+        result["share_mib"] = shares[0]
         Path(args.out).write_text(json.dumps(result))
+        if trace is not None:
+            from benchmarks.verify_phases import dump
+
+            dump(trace, shares[0], args.trace)
 
 
-def run(only: str | None) -> dict:
+def _rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def run(only: str | None, trace: bool = False) -> dict:
     results = {}
     for name, (size, extra) in CASES.items():
         if only and not name.startswith(only):
@@ -136,10 +163,18 @@ def run(only: str | None) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "r.json"
             argv = ["--worker", "--model", json.dumps(model), "--out", str(out), "--steps", str(steps), *extra]
+            phases = Path(tmp) / "phases.json"
+            if trace:
+                argv += ["--trace", str(phases)]
             launch = run_distributed(Path(__file__), 2, argv, timeout=3000, env={"OMP_NUM_THREADS": "1"})
             if launch.returncode != 0 or not out.exists():
                 raise RuntimeError(f"{name} failed:\n{launch.output[-3000:]}")
             r = json.loads(out.read_text())
+            if trace:
+                from benchmarks.verify_phases import summary
+
+                r["phases"] = json.loads(phases.read_text())
+                print(f"{name}: rank 0's RSS around the verifier's steps\n{summary(r['phases'])}", flush=True)
         r["load"] = (load_start, os.getloadavg()[0])
         r["ratio"] = r["verify_s"] / r["step_s"]
         r["cpu_ratio"] = r["verify_cpu_s"] / r["step_cpu_s"]
@@ -190,6 +225,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--meta", action="store_true", help="build on the meta device (init_module(empty_init=True))")
     parser.add_argument("--only", default=None, help="cases whose name starts with this (small, large)")
+    parser.add_argument("--trace", nargs="?", const="yes", default="",
+                        help="rank 0's RSS around each verifier step, per piece (benchmarks/verify_phases.py); "
+                             "--save-trace FILE keeps every row")  # fmt: skip
+    parser.add_argument("--save-trace", default="", help="with --trace: write every case's rows to this JSON file")
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -198,7 +237,9 @@ def main() -> None:
         leave_process_group()
         return
     start = time.perf_counter()
-    results = run(args.only)
+    results = run(args.only, bool(args.trace))
+    if args.save_trace:
+        Path(args.save_trace).write_text(json.dumps({k: r.get("phases") for k, r in results.items()}, indent=1))
     print(markdown(results, time.perf_counter() - start))
 
 

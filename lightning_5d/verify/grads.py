@@ -8,9 +8,10 @@ training then needs the sum over those ranks. So each piece also runs one backwa
     parallel:   g_par = d<c(y_par), y_par>/dθ_local   (the live piece run again on its probe
                 input, :mod:`.rerun`), then the sums training applies: tp's partial-gradient
                 hooks (they fire inside autograd.grad; under ZeRO-3, where training sums those
-                gradients after the backward instead, the same sum over tp here), the sum over
-                cp (each cp rank saw its chunk of the sequence), then tp's gather of a cut
-                parameter to its full shape
+                gradients after the backward instead, the same sum over tp here) and the sum
+                over cp (each cp rank saw its chunk of the sequence); a parameter tp cut keeps
+                this rank's shape (:mod:`.shard_compare` compares it with the matching slice
+                of g_ref)
     reference:  g_ref = d<c(y_ref), y_ref>/dθ        (the unparallelized piece, fp32)
 
 ``c`` is the cotangent: a fixed elementwise function of the output (``cos(3y) + 1/2``). An
@@ -64,7 +65,9 @@ def _grads(output: Tensor | None, params: list[Tensor]) -> list[Tensor]:
     if output is None or not output.requires_grad or not params:
         return [torch.zeros_like(p) for p in params]
     found = torch.autograd.grad(output, params, grad_outputs=cotangent(output), allow_unused=True)
-    return [torch.zeros_like(p) if g is None else g.detach().clone() for p, g in zip(params, found)]
+    # autograd.grad returns fresh tensors (the sums into each leaf): no copy (a 250 MiB embedding
+    # gradient was held twice).
+    return [torch.zeros_like(p) if g is None else g.detach() for p, g in zip(params, found)]
 
 
 def trainable_names(module: nn.Module) -> list[str]:
@@ -79,22 +82,19 @@ def local_grads(output: Any, params: list[Tensor]) -> list[Tensor]:
 
 def summed(grads: dict[str, Tensor], prefix: str, tp: Any | None, cp: Any | None,
            tp_partial: Collection[str] = ()) -> dict[str, Tensor]:  # fmt: skip
-    """``grads`` (by name relative to the piece at ``prefix``) summed as training sums them, at
-    full shape. ``tp_partial``: full names whose partial gradients training sums over tp after
-    the backward (ZeRO-3); elsewhere tp's hooks already summed them inside the backward.
+    """``grads`` (by name relative to the piece at ``prefix``) summed as training sums them, in
+    place, at this rank's shape (a parameter tp cut stays cut: :mod:`.shard_compare`).
+    ``tp_partial``: full names whose partial gradients training sums over tp after the
+    backward (ZeRO-3); elsewhere tp's hooks already summed them inside the backward.
 
     A collective over cp and tp: every rank holding this piece calls it in the same order."""
-    out = {}
     for name, grad in grads.items():
         full_name = f"{prefix}.{name}" if prefix else name
         if cp is not None:  # each cp rank saw its chunk of the sequence; training sums them over dp x cp
             dist.all_reduce(grad, group=cp.group)
         if tp is not None and full_name in tp_partial:
             dist.all_reduce(grad, group=tp.group)
-        if tp is not None and tp.is_sharded(full_name):
-            grad = tp.full_state({full_name: grad})[full_name]
-        out[name] = grad
-    return out
+    return grads
 
 
 def reference_grads(reference: nn.Module, names: list[str], output: Any) -> dict[str, Tensor]:

@@ -125,9 +125,12 @@ def materialize(
     """The unparallelized piece in fp32 on ``device``, holding the full tensors ``full`` (by name);
     ``trainable``: its parameters require gradients as the model's did (for the backward check).
 
-    ``full`` must own its tensors (fresh gathers or copies, as :func:`~.gather.full_weights`
-    gives): each is taken out of it and placed in the piece as it is, so the gathered weights
-    exist once, in the piece, and go with it (no empty copy of the piece is allocated first).
+    Each tensor of ``full`` (fresh gathers, copies, or live tensors that outlive the piece, as
+    :func:`~.gather.full_weights` gives) is taken out of it and placed in the piece as it is
+    (a parameter becomes a new leaf over the same storage), so the gathered weights exist
+    once, in the piece, and go with it (no empty copy of the piece is allocated first). The
+    piece's forward and backward never write its parameters; a buffer (which a forward may
+    update) is copied.
     """
     reference = copy.deepcopy(piece.copy)  # on meta: every tensor is replaced below
     with torch.no_grad():

@@ -19,7 +19,7 @@ from tests_support import SCRIPTS, run_distributed
 # The ZeRO-3 and container cases break a gradient sum and a container block's sub-layer; the
 # pieces next to them (other gradients, the other sub-layer) pass in the same run.
 FAST = ["interleaved_qkv_tp2_guessed", "scaled_embedding_tp2_sp", "head_norm_tp2_unsummed", "pp2_refused_on_stage0",
-        "head_norm_tp2_zero3_unsummed", "nested_tp2_cut_plain"]  # fmt: skip
+        "head_norm_tp2_zero3_unsummed", "nested_tp2_cut_plain", "q_proj_grad_doubled_on_rank1_tp2"]  # fmt: skip
 EXTENDED = ["tp2", "tp2_sp", "zero3", "cp2", "pp2", "scaled_embedding_tp2", "fused_gate_up_tp2",
             "interleaved_qkv_tp2", "fused_gate_up_tp2_cut_plain", "fused_gate_up_tp2_cut_plain_off",
             "scaled_embedding_cp2", "head_norm_tp2", "head_norm_tp2_zero3", "cp2_zero3", "tp2_sp_zero3", "pp2_zero3",
@@ -90,6 +90,13 @@ def test_verifier_fast(outcomes, case):
         assert "block 0 [1] (layers.0.1)" in error and "block 1 [1] (layers.1.1)" in error, error
         assert "first wrong output in execution order: layers.0.1.1.down_proj" in error, error
         assert "block 0 [0]" not in error and "block 1 [0]" not in error, error
+    if case == "q_proj_grad_doubled_on_rank1_tp2":
+        # Gradients are compared on each rank's shard, their sums added over tp: rank 1's wrong
+        # half of a column-parallel weight is named on every rank, next to the matching k_proj.
+        assert "block 0 (model.layers.0): the output matches" in error, error
+        assert "gradient of model.layers.0.attention.q_proj.weight: relative error" in error, error
+        assert "model.layers.0.attention.k_proj.weight" in error.split("matching gradients:")[1], error
+        assert outcomes[2][case]["error"] == error  # rank 1 stops with the same message
 
 
 def check_fused_gate_up(error: str) -> None:

@@ -72,9 +72,14 @@ class TensorShard:
     def _pieces(self, full_size: int) -> list[int]:
         return list(self.segments) or [full_size]
 
-    def take(self, full: Tensor, rank: int, size: int) -> Tensor:
+    def slices(self, full: Tensor, rank: int, size: int) -> list[Tensor]:
+        """Views of ``full``: rank ``rank``'s part of each segment, in order (what :meth:`take`
+        concatenates; the verifier compares a rank's tensor with them without a copy)."""
         parts = full.split(self._pieces(full.size(self.dim)), dim=self.dim)
-        return torch.cat([part.chunk(size, dim=self.dim)[rank] for part in parts], dim=self.dim)
+        return [part.chunk(size, dim=self.dim)[rank] for part in parts]
+
+    def take(self, full: Tensor, rank: int, size: int) -> Tensor:
+        return torch.cat(self.slices(full, rank, size), dim=self.dim)
 
     def assemble(self, locals_: list[Tensor]) -> Tensor:
         """The full tensor from every rank's piece (in rank order), written once into one output

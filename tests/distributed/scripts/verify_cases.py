@@ -68,6 +68,9 @@ CASES = {
     "nested_tp2_zero3": (NestedLM, {"tp": 2, "zero": 3, "model_plan": NestedLM.PLAN}, "pass"),
     "nested_cp2_zero3": (NestedLM, {"cp": 2, "zero": 3, "model_plan": NestedLM.PLAN}, "pass"),
     "nested_tp2_cut_plain": (NestedLM, {"tp": 2, "model_plan": NestedLM.PLAN}, "fail"),
+    # A column-parallel weight's gradient doubled on tp rank 1 only (a broken hook on a cut
+    # parameter): outputs exact, rank 0's own shard right; the shards' sums over tp must name it.
+    "q_proj_grad_doubled_on_rank1_tp2": (MarkedLM, {"tp": 2}, "fail"),
 }
 
 
@@ -104,6 +107,18 @@ def unsummed(self, block, prefix, block_plan):
     """tp's mark of the per-head norms' partial gradients, skipped: no sum over tp."""
 
 
+real_tp_init = TensorParallel.__init__
+
+
+def doubling_on_rank1(self, root, *args, **kwargs):
+    """tp applied, then block 0's q_proj weight (cut by columns) given a gradient hook that
+    doubles it on tp rank 1."""
+    real_tp_init(self, root, *args, **kwargs)
+    weight = dict(root.named_parameters())["model.layers.0.attention.q_proj.weight"]
+    if self.rank == 1:
+        weight.register_hook(lambda grad: grad * 2)
+
+
 real_after = PlanCheck.after
 checked = []  # the report of this rank's check in the current case
 
@@ -135,6 +150,7 @@ for name in args.cases.split(","):
     cls, kwargs, expected = CASES[name]
     observation.observe = next((f for tag, f in SABOTAGE.items() if tag in name), real_observe)
     TensorParallel._mark_head_partial = unsummed if "_unsummed" in name else real_mark_head_partial
+    TensorParallel.__init__ = doubling_on_rank1 if "_doubled_on_rank1" in name else real_tp_init
     PlanCheck.after = refusing_block0 if "_refused_on_stage0" in name else reporting
     checked.clear()
     torch.manual_seed(0)

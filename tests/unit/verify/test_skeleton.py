@@ -145,3 +145,30 @@ def test_the_reference_piece_runs_in_eval_mode_like_the_probe():
     reference = materialize(piece, full, torch.device("cpu"))
     x = torch.randn(4, 8)
     assert not reference.training and torch.equal(reference(x), reference(x))
+
+
+def test_a_tensor_the_rank_holds_whole_is_shared_or_copied_as_asked():
+    """SHARE: the reference piece uses the live weights in place (no second copy), and its
+    backward leaves the live parameters untouched; COPY: its own tensors (FSDP2's unsharded
+    parameters go away when the unit reshards)."""
+    from lightning_5d.verify.gather import HeldTensors, full_weights
+    from lightning_5d.verify.grads import reference_grads, trainable_names
+
+    torch.manual_seed(0)
+    module = LlamaLM(CONFIG)
+    block = module.model.layers[0]
+    piece = take_skeleton(module, discover(module))[1]
+    names = tensor_names(piece.copy)
+    weight = block.attention.q_proj.weight
+    shared = full_weights(block, "model.layers.0", names, None, HeldTensors.SHARE)
+    assert shared["attention.q_proj.weight"].data_ptr() == weight.data_ptr()
+    copied = full_weights(block, "model.layers.0", names, None, HeldTensors.COPY)
+    assert all(copied[n].data_ptr() != t.data_ptr() for n, t in [*block.named_parameters(), *block.named_buffers()])
+    reference = materialize(piece, shared, torch.device("cpu"), trainable=True)
+    assert reference.attention.q_proj.weight.data_ptr() == weight.data_ptr()
+    assert all(b.data_ptr() != live.data_ptr() for b, live in zip(reference.buffers(), block.buffers()))
+    before = weight.detach().clone()
+    x, pos = torch.randn(2, 8, 32), torch.arange(8)
+    grads = reference_grads(reference, trainable_names(piece.copy), reference(x, pos))
+    assert grads["attention.q_proj.weight"].abs().sum() > 0
+    assert weight.grad is None and torch.equal(weight, before)

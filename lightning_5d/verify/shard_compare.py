@@ -1,0 +1,136 @@
+"""Each parallel gradient compared where it lives: this rank's shard against the matching
+slice of the reference gradient, the sums added (or the worst taken) over the tp ranks.
+
+Gathering every parallel gradient to its full shape held, for the largest piece (a
+32000 x 2048 vocabulary-parallel embedding or head), the full gradient next to the full
+reference weight and gradient. Instead, for a parameter that tp cut (its
+:class:`~lightning_5d.parallel.tensor.TensorShard`, fused segments included), rank ``r``
+compares its gradient ``g_r`` with the views ``slices(g_ref, r)`` the same cut gives of
+the full reference gradient, and the sums of :class:`~.compare.GapSums` add up over the tp
+ranks to the full tensor's:
+
+    Σ_r Σ(g_r − slice_r(g_ref))² = ‖g_par − g_ref‖²,   Σ_r Σ slice_r(g_ref)² = ‖g_ref‖²
+
+so the relative error is the one the full-shape comparison gave. A parameter every tp rank
+holds whole (a norm, a replicated bias) is compared on each rank, and the worst rank's
+numbers are kept: a rank whose copy lacks the tp sum (a per-head q/k norm that saw only its
+heads) fails for every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_5d.verify.compare import Difference, GapSums
+
+# Why a gradient could not be measured (the column reduced by MAX over the tp ranks).
+_NONE, _NON_FINITE, _SHAPE = 0, 1, 2
+
+
+def shard_sums(local: Tensor, reference: Tensor, shard: Any, rank: int, size: int) -> GapSums | str:
+    """The sums of ``local`` (this rank's part, cut by ``shard``) against the matching slices
+    of the full ``reference``; a note when the shapes do not correspond."""
+    slices = shard.slices(reference, rank, size)
+    lengths = [s.size(shard.dim) for s in slices]
+    expected = list(reference.shape)
+    expected[shard.dim] = sum(lengths)
+    if list(local.shape) != expected:
+        return (f"shape {tuple(local.shape)} on tp rank {rank} where the model's {tuple(reference.shape)}, "
+                f"cut by tp, gives {tuple(expected)}")  # fmt: skip
+    sums = GapSums()
+    for ref_part, local_part in zip(slices, local.split(lengths, dim=shard.dim)):
+        sums.add(local_part, ref_part)
+    return sums
+
+
+def _whole_sums(local: Tensor, reference: Tensor) -> GapSums | str:
+    if tuple(local.shape) != tuple(reference.shape):
+        return f"shape {tuple(local.shape)} where the model gives {tuple(reference.shape)}"
+    return GapSums().add(local, reference)
+
+
+def shard_differences(
+    local: dict[str, Tensor], reference: dict[str, Tensor] | None, prefix: str, tp: Any | None
+) -> dict[str, Difference] | None:
+    """Each of ``local``'s gradients (by name relative to the piece at ``prefix``, this rank's
+    shape) against ``reference``'s (full shape), over the tp ranks. ``reference`` is emptied
+    as it goes (each full gradient freed once compared). ``reference`` None: this rank could
+    not run the reference piece; then every rank gets None (so all skip the piece alike).
+
+    A collective over tp (two small all-reduces): every rank holding the piece calls it in
+    the same order."""
+    names = list(local)
+    measured: dict[str, GapSums | str] = {}
+    for name in names:
+        if reference is None:
+            break
+        full_name = f"{prefix}.{name}" if prefix else name
+        ref = reference.pop(name)
+        if tp is not None and tp.is_sharded(full_name):
+            measured[name] = shard_sums(local[name], ref, tp.shards[full_name], tp.rank, tp.size)
+        else:
+            measured[name] = _whole_sums(local[name], ref)
+        del ref
+    distributed = tp is not None and tp.size > 1
+    cut = [n for n in names if distributed and tp.is_sharded(f"{prefix}.{n}" if prefix else n)]
+    if cut:  # the cut parameters' sums over the tp ranks: the full tensor's sums
+        sums = torch.zeros(len(cut), 2, dtype=torch.float64)
+        for i, name in enumerate(cut):
+            m = measured.get(name)
+            if isinstance(m, GapSums):
+                sums[i] = torch.tensor([m.gap_sq, m.reference_sq])
+        sums = sums.to(tp.device)
+        dist.all_reduce(sums, group=tp.group)
+        for i, name in enumerate(cut):
+            m = measured.get(name)
+            if isinstance(m, GapSums):
+                m.gap_sq, m.reference_sq = float(sums[i, 0]), float(sums[i, 1])
+    results = {n: _difference(measured.get(n)) for n in names}
+    # The worst rank's numbers (a cut parameter's relative error is already every rank's), the
+    # reason a rank could not measure, and whether every rank ran the reference.
+    worst = torch.tensor([[_finite(d.relative), d.max_abs, _reason(measured.get(n))] for n, d in results.items()]
+                         + [[0.0, 0.0, float(reference is None)]], dtype=torch.float64)  # fmt: skip
+    if distributed:
+        worst = worst.to(tp.device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=tp.group)
+        worst = worst.cpu()
+    if worst[-1, 2] > 0:
+        return None
+    out = {}
+    for i, name in enumerate(names):
+        relative, max_abs, reason = (float(v) for v in worst[i])
+        mine = results[name]
+        if mine.note:
+            out[name] = mine
+        elif reason == _SHAPE:
+            out[name] = Difference(math.inf, math.inf, "shapes do not correspond on another tp rank")
+        elif reason == _NON_FINITE:
+            out[name] = Difference(math.inf, math.inf, "non-finite values where the model gives finite ones")
+        else:
+            out[name] = Difference(max_abs, relative)
+    return out
+
+
+def _difference(measured: GapSums | str | None) -> Difference:
+    if measured is None:
+        return Difference(math.inf, math.inf, "not measured")
+    if isinstance(measured, str):
+        return Difference(math.inf, math.inf, measured)
+    return measured.result()
+
+
+def _reason(measured: GapSums | str | None) -> float:
+    if isinstance(measured, str):
+        return float(_SHAPE)
+    if isinstance(measured, GapSums) and measured.non_finite:
+        return float(_NON_FINITE)
+    return float(_NONE)
+
+
+def _finite(x: float) -> float:
+    return math.inf if math.isnan(x) else x  # NaN never wins a MAX: count it as the worst

@@ -1,0 +1,88 @@
+"""Gradients compared on each rank's shard (single process: the ranks' sums added by hand)."""
+
+import math
+
+import pytest
+import torch
+
+from lightning_5d.parallel.tensor.sharding import TensorShard
+from lightning_5d.verify import compare
+from lightning_5d.verify.compare import GapSums, difference
+from lightning_5d.verify.shard_compare import shard_differences, shard_sums
+
+
+def _whole(parallel, reference):
+    """The full-shape comparison, computed in one piece (as before the blocks of rows)."""
+    gap = (parallel.double() - reference.double())
+    return float(gap.abs().max()), float(gap.norm() / reference.double().norm())
+
+
+def test_blocks_of_rows_add_up_to_the_whole_tensor(monkeypatch):
+    monkeypatch.setattr(compare, "_CHUNK", 7)  # several blocks, and rows wider than a block
+    torch.manual_seed(0)
+    for shape in [(5,), (4, 3), (3, 2, 5), ()]:
+        reference = torch.randn(shape)
+        parallel = reference + 1e-3 * torch.randn(shape)
+        d = difference(parallel, reference)
+        max_abs, relative = _whole(parallel, reference)
+        assert d.max_abs == pytest.approx(max_abs, rel=1e-12) and d.relative == pytest.approx(relative, rel=1e-9)
+    x = torch.randn(2, 4, 3)
+    update = 1e-2 * torch.randn(2, 4, 3)
+    d = difference(x + 2 * update, x + update, residual_input=x)
+    assert d.relative == pytest.approx(1.0, rel=1e-4)  # against the update, not the residual stream
+
+
+@pytest.mark.parametrize(
+    "shard",
+    [TensorShard(0), TensorShard(1), TensorShard(0, (8, 4, 4))],  # column, row, fused [q|k|v] column
+    ids=["column", "row", "fused"],
+)
+def test_each_ranks_shard_against_its_slice_sums_to_the_full_comparison(shard):
+    torch.manual_seed(0)
+    reference = torch.randn(16, 8)
+    parallel = reference + 1e-3 * torch.randn(16, 8)
+    size = 2
+    locals_ = [shard.take(parallel, r, size) for r in range(size)]
+    total = GapSums()
+    for rank, local in enumerate(locals_):
+        sums = shard_sums(local, reference, shard, rank, size)
+        total.gap_sq += sums.gap_sq
+        total.reference_sq += sums.reference_sq
+        total.max_abs = max(total.max_abs, sums.max_abs)
+    expected = difference(parallel, reference)
+    assert total.result().relative == pytest.approx(expected.relative, rel=1e-9)
+    assert total.result().max_abs == pytest.approx(expected.max_abs, rel=1e-12)
+    # TensorShard.slices are views of what take copies
+    for r in range(size):
+        assert torch.equal(torch.cat(shard.slices(parallel, r, size), dim=shard.dim), locals_[r])
+
+
+def test_a_gradient_cut_in_the_wrong_place_is_far_off():
+    """A fused [gate|up] gradient whose rank holds contiguous halves instead of each segment's half."""
+    torch.manual_seed(0)
+    reference = torch.randn(16, 8)
+    fused = TensorShard(0, (8, 8))
+    total = GapSums()
+    for rank in range(2):
+        wrong = TensorShard(0).take(reference, rank, 2)  # the plain cut: rank 0 holds all of gate
+        sums = shard_sums(wrong, reference, fused, rank, 2)
+        total.gap_sq += sums.gap_sq
+        total.reference_sq += sums.reference_sq
+    assert total.result().relative > 0.5
+
+
+def test_a_shard_of_the_wrong_shape_is_named():
+    note = shard_sums(torch.zeros(6, 8), torch.zeros(16, 8), TensorShard(0), 1, 2)
+    assert isinstance(note, str) and "(6, 8)" in note and "(8, 8)" in note and "tp rank 1" in note
+
+
+def test_without_tp_each_gradient_is_compared_whole_and_the_reference_freed():
+    torch.manual_seed(0)
+    ref = {"w": torch.randn(4, 4), "b": torch.randn(4)}
+    local = {"w": ref["w"].clone(), "b": ref["b"] / 2}  # a halved gradient: a skipped sum over two ranks
+    found = shard_differences(local, ref, "layers.0", None)
+    assert ref == {}  # each full reference gradient dropped once compared
+    assert found["w"].relative == 0.0
+    assert found["b"].relative == pytest.approx(0.5)
+    assert math.isinf(shard_differences({"w": torch.zeros(3)}, {"w": torch.zeros(4)}, "", None)["w"].relative)
+    assert shard_differences(local, None, "layers.0", None) is None  # the reference could not run
