@@ -27,7 +27,7 @@ import os
 import sys
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch import Tensor, nn
@@ -129,19 +129,27 @@ class SitesAt(TorchFunctionMode):
         return self.positions.to(device=out.device, dtype=out.dtype) + out[:1]
 
 
-def sites_forward(
-    sites: frozenset[tuple[str, str, int, int]], positions: Callable[[], Tensor | None], where: str
+def redirected_forward(
+    positions: Callable[[], Tensor | None], redirect: Callable[[Tensor], ContextManager[Any]]
 ) -> Callable[..., Any]:
-    """A forward wrapper (``sharded(original, *args, **kwargs)``) that redirects ``sites`` while it runs."""
+    """A forward wrapper (``sharded(original, *args, **kwargs)``) that runs the forward inside
+    ``redirect(the shard's positions)`` while a shard is current, and unchanged otherwise."""
 
     def sharded(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         given = positions()
         if given is None:
             return original(*args, **kwargs)
-        with SitesAt(sites, given, where):
+        with redirect(given):
             return original(*args, **kwargs)
 
     return sharded
+
+
+def sites_forward(
+    sites: frozenset[tuple[str, str, int, int]], positions: Callable[[], Tensor | None], where: str
+) -> Callable[..., Any]:
+    """A forward wrapper that redirects ``sites`` while it runs."""
+    return redirected_forward(positions, lambda given: SitesAt(sites, given, where))
 
 
 def module_paths(root: nn.Module) -> dict[int, str]:

@@ -163,14 +163,7 @@ def _embedding_hook(read: PositionRead, positions: Positions) -> Callable:
 
 
 def _table_forward(owner: nn.Module, read: PositionRead, positions: Positions) -> Callable[..., Any]:
-    def sharded(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        given = positions()
-        if given is None:
-            return original(*args, **kwargs)
-        with _RowsAt(owner, read, given):
-            return original(*args, **kwargs)
-
-    return sharded
+    return position_aranges.redirected_forward(positions, lambda given: _RowsAt(owner, read, given))
 
 
 class _RowsAt(TorchFunctionMode):

@@ -3,18 +3,17 @@ plan/position_reads.py): rotary angles inside each attention or once at the top,
 hand-written models use, each given the shard's global positions under cp; anything the probe
 cannot show to be the token's position leaves the model "not observed" (cp refuses it)."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_5d.parallel.context.batch import SequenceShard
 from lightning_5d.parallel.context.positions import route_positions
 from lightning_5d.plan import discover
 from lightning_5d.plan.position_aranges import ArangeSiteError
 from lightning_5d.plan.position_reads import PositionReadKind, _TokenLocalAttention
+
+from cp_stand_in import fake_cp
 
 HIDDEN, HEAD_DIM, VOCAB, MAX_LEN = 16, 4, 40, 32
 
@@ -132,19 +131,6 @@ class LM(nn.Module):
         for block in self.layers:
             x = block(x, angles, past)
         return self.lm_head(self.norm(x))
-
-
-def fake_cp(positions, seq_len):
-    shard = SequenceShard(batch=None, seq_len=seq_len, positions=positions, labels=None)
-    state = SimpleNamespace(current=shard, size=2, undo=[])
-
-    def wrap_forward(module, sharded):
-        original = module.forward
-        module.forward = lambda *a, **k: sharded(original, *a, **k) if state.current is not None else original(*a, **k)
-        state.undo.append(lambda: delattr(module, "forward"))
-
-    state.wrap_forward = wrap_forward
-    return state
 
 
 OBSERVED = {  # style -> (kind, the modules whose forward makes the range)

@@ -3,17 +3,18 @@ what context parallelism does with it (parallel/context/positions.py): each kind
 found and redirected; anything the probe cannot follow leaves the model "not observed"."""
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_5d.parallel.context.batch import ContextParallelError, SequenceShard
+from lightning_5d.parallel.context.batch import ContextParallelError
 from lightning_5d.parallel.context.positions import route_positions
 from lightning_5d.plan import discover
 from lightning_5d.plan.position_reads import PositionRead, PositionReadError, PositionReadKind
+
+from cp_stand_in import fake_cp
 
 HIDDEN, HEAD_DIM, VOCAB, MAX_LEN = 16, 4, 40, 32
 
@@ -131,19 +132,6 @@ def test_rotary_from_arange_in_attention_is_observed_next_to_a_position_embeddin
     kinds = [(r.kind, r.path) for r in plan.position_reads]
     assert kinds == [(PositionReadKind.ARANGE, "layers.0.attn"), (PositionReadKind.ARANGE, "layers.1.attn"),
                      (PositionReadKind.ARANGE_EMBEDDING, "wpe")]  # fmt: skip
-
-
-def fake_cp(positions, seq_len):
-    shard = SequenceShard(batch=None, seq_len=seq_len, positions=positions, labels=None)
-    state = SimpleNamespace(current=shard, size=2, undo=[])
-
-    def wrap_forward(module, sharded):
-        original = module.forward
-        module.forward = lambda *a, **k: sharded(original, *a, **k) if state.current is not None else original(*a, **k)
-        state.undo.append(lambda: delattr(module, "forward"))
-
-    state.wrap_forward = wrap_forward
-    return state
 
 
 @pytest.mark.parametrize("positions", ["arange_embedding", "parameter", "buffer"])
