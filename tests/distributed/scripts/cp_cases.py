@@ -14,7 +14,7 @@
 --case hidden_cache   the rope_cache model with the length slice inside its rotary module (called
                       with the hidden states, no seq_len): the probe observes the cache read
                       as its first n rows, cp hands the shard its rows; compared as rope_cache.
---case no_positions   rotary angles from torch.arange inside the forward, not reachable: fails in setup.
+--case no_positions   rotary angles from positions counted by cumsum in the forward: fails in setup.
 --case explicit_softmax  attention spelled out as softmax(QK^T)V: fails in setup.
 --case unlabelled     batches of input_ids only (the module shifts them itself): fails at
                       the first step, before any optimizer step.
@@ -121,7 +121,9 @@ class Rope(RotaryEmbedding):
 
 
 class InlineRope(nn.Module):
-    """cos/sin from ``torch.arange`` of the length inside the forward: positions nothing can reach."""
+    """cos/sin from positions counted with ``cumsum`` inside the forward: positions nothing can
+    reach (an ``arange`` there is observed by its call site, plan/position_aranges.py; a running
+    count is not)."""
 
     def __init__(self, head_dim: int, theta: float = 10000.0):
         super().__init__()
@@ -129,7 +131,8 @@ class InlineRope(nn.Module):
 
     def forward(self, x):
         inv = 1.0 / self.theta ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim)
-        emb = torch.outer(torch.arange(x.size(1)).float(), inv).repeat(1, 2)
+        positions = torch.ones(x.size(1)).cumsum(0) - 1
+        emb = torch.outer(positions, inv).repeat(1, 2)
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
 
 
