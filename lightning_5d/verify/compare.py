@@ -95,7 +95,7 @@ class GapSums:
             if x is not None:
                 self.update_sq += float((r64 - x.double().to(p64.device)).square().sum())
             self.reference_sq += float(r64.square().sum())
-            gap = p64.sub_(r64)
+            gap = p64 - r64  # not in place: for a float64 piece .double() is the recorded tensor itself
             if gap.numel():
                 self.max_abs = max(self.max_abs, float(gap.abs().max()))
             self.gap_sq += float(gap.square().sum())

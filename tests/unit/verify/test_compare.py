@@ -108,3 +108,13 @@ def test_gradients_in_reduced_precision_get_their_own_tolerance():
     assert not loose.failed
     halved = (("w", Difference(0.2, 0.5)),)  # a skipped tp sum: half the gradient
     assert PieceResult("block 0", "layers.0", output, 0.05, grads=halved, grad_tolerance=0.1).failed
+
+
+def test_comparing_float64_tensors_leaves_them_unchanged():
+    # .double() of a float64 tensor is the tensor itself: the comparison must not write into the
+    # recorded output (a later piece would then be compared against the changed values).
+    parallel = torch.randn(4, 8, dtype=torch.float64)
+    reference = parallel + 1e-3
+    kept = parallel.clone()
+    difference(parallel, reference)
+    assert torch.equal(parallel, kept)
