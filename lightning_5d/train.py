@@ -254,7 +254,7 @@ def _check_tensor_parallel(model_config: Any, parallel: Any, tp: int) -> None:
     import torch
 
     from lightning_5d.models import LlamaModel
-    from lightning_5d.parallel.tensor.sharding import validate_tensor_parallel
+    from lightning_5d.parallel.tensor.validate import validate_tensor_parallel
     from lightning_5d.plan import discover
 
     with torch.device("meta"):  # shapes only: no memory, no init cost

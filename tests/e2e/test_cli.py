@@ -94,7 +94,7 @@ def test_default_recipe_is_tiny_tp():
 
 
 def test_tp_that_does_not_fit_the_heads_fails_before_launch():
-    from lightning_5d.parallel.tensor.sharding import TensorParallelError
+    from lightning_5d.parallel.tensor.validate import TensorParallelError
     from lightning_5d.train import compose, validate
 
     with pytest.raises(TensorParallelError, match="tp=8 exceeds the 4 key/value heads"):

@@ -13,6 +13,7 @@ as discovery maps them, into column-/row-parallel linears, Megatron-LM style:
   backward and gathers it again there.
 """
 
-from lightning_5d.parallel.tensor.sharding import TensorParallel, TensorParallelError
+from lightning_5d.parallel.tensor.sharding import TensorParallel
+from lightning_5d.parallel.tensor.validate import TensorParallelError
 
 __all__ = ["TensorParallel", "TensorParallelError"]

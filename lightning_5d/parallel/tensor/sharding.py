@@ -44,21 +44,17 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lightning_5d.parallel.regions import Region, chunk_ranges
 from lightning_5d.materialize.apply import placement_device
-from lightning_5d.config import LayoutError
 from lightning_5d.parallel.tensor import ops as tensor_ops
 from lightning_5d.parallel.tensor.local_shapes import localize_shapes
 from lightning_5d.parallel.tensor.head_bias import wrap_per_head_bias
 from lightning_5d.parallel.tensor.packed_attention import map_qkv_inputs, run_local_heads
 from lightning_5d.parallel.tensor.regather import RegatherRegion
+from lightning_5d.parallel.tensor.validate import TensorParallelError, check_block_forwards, in_features, out_features
+from lightning_5d.parallel.tensor.validate import validate_tensor_parallel
 from lightning_5d.parallel.tensor.vocab import vocab_parallel_forward, vocab_range
 from lightning_5d.parallel.tensor.width_norm import distributed_rms_forward, find_width_norms
 from lightning_5d.plan import paths
-from lightning_5d.plan.blocks import ModelMappingError
-from lightning_5d.plan.model_plan import ColumnLayout, ModelPlan, Projection, ProjectionKind
-
-
-class TensorParallelError(LayoutError):
-    """The model's shapes do not divide by tp; the message names the number and valid tp values."""
+from lightning_5d.plan.model_plan import ModelPlan, Projection, ProjectionKind
 
 
 @dataclass(frozen=True)
@@ -114,74 +110,6 @@ def _column_shard(p: Projection) -> TensorShard:
 
 def _row_shard(p: Projection) -> TensorShard:
     return TensorShard(dim=0 if p.kind is ProjectionKind.CONV1D else 1)
-
-
-def _out_features(module: nn.Module, p: Projection) -> int:
-    return module.weight.size(1 if p.kind is ProjectionKind.CONV1D else 0)
-
-
-def _in_features(module: nn.Module, p: Projection) -> int:
-    return module.weight.size(0 if p.kind is ProjectionKind.CONV1D else 1)
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def validate_tensor_parallel(plan: ModelPlan, root: nn.Module, tp: int) -> None:
-    """Every shape TP cuts must divide by ``tp``; raised before anything is changed."""
-    if tp == 1:
-        return
-
-    def need(value: int, what: str) -> None:
-        if value % tp:
-            fits = [d for d in _divisors(value) if d > 1]
-            raise TensorParallelError(
-                f"tp={tp} does not divide {what}={value}; use tp in {fits or [1]} "
-                f"(or tp=1 and another dimension for these ranks)."
-            )
-
-    need(plan.vocab_size, "vocab_size")
-    for i, block_plan in enumerate(plan.block_plans):
-        att = block_plan.attention  # None: a feed-forward entry of an alternating block list
-        where = f"block {plan.block_path(i)}"
-        block = root.get_submodule(plan.block_path(i))
-        if att is not None:
-            _check_heads(plan, i, att, tp, where, need)
-        mlp_col = block_plan.mlp.column if block_plan.mlp else ()
-        mlp_row = block_plan.mlp.row if block_plan.mlp else ()
-        for p in (att.column if att else ()) + mlp_col:
-            if p.layout is ColumnLayout.UNKNOWN:
-                raise TensorParallelError(
-                    f"tp={tp} cannot cut {where}.{p.path}: the probe forward found its fused output features in an "
-                    f"order that is neither [q|k|v] / [gate|up] side by side nor interleaved per head, so no "
-                    f"column split keeps each rank's heads whole. Split it into separate linears, or use tp=1 "
-                    f"(cp, pp and ZeRO do not cut projections)."
-                )
-            for seg in p.segments or (_out_features(block.get_submodule(p.path), p),):
-                need(seg, f"the output features of {where}.{p.path}")
-        for p in (att.row if att else ()) + mlp_row:
-            need(_in_features(block.get_submodule(p.path), p), f"the input features of {where}.{p.path}")
-
-
-def _check_heads(plan: ModelPlan, i: int, att, tp: int, where: str, need: Callable[[int, str], None]) -> None:
-    if not att.num_heads:
-        pattern = paths.join(plan.blocks, "*", att.path)
-        raise ModelMappingError(
-            f"tp={tp} splits attention by heads, but no head count is known for {plan.block_path(i)}.{att.path} "
-            f"(the module keeps none and no config declares num_attention_heads / num_heads / n_head). "
-            f"Give it in the strategy's model_plan, e.g. model_plan={{{pattern!r}: 'attention(heads=<N>)'}} "
-            f"(add kv_heads=<K> for grouped-query attention), or use tp=1."
-        )
-    if att.num_kv_heads and att.num_kv_heads < tp:
-        raise TensorParallelError(
-            f"tp={tp} exceeds the {att.num_kv_heads} key/value heads of {where} (grouped-query "
-            f"attention): each rank needs at least one whole kv head. Use tp in "
-            f"{_divisors(att.num_kv_heads)}; put the other ranks in dp or cp."
-        )
-    need(att.num_heads, f"num_heads of {where}")
-    if att.num_kv_heads:
-        need(att.num_kv_heads, f"num_kv_heads of {where}")
 
 
 def _map_hidden_states(args: tuple, kwargs: dict, fn: Callable[[Tensor], Tensor], where: str) -> tuple[tuple, dict]:
@@ -264,22 +192,6 @@ def _localize_config(attention: nn.Module, num_heads: int, num_kv_heads: int, tp
         attention.config = _LocalHeads(config, local)
 
 
-def _check_block_forwards(plan: ModelPlan, root: nn.Module, tp: int) -> None:
-    """Sequence parallelism scatters the residual stream at the first block's input and gathers
-    it at the last block's output, both hooks on the block's forward. A block that is a list the
-    model iterates (``for attn, ff in self.layers``) has no forward, so neither would run."""
-    blocks = plan.blocks_of(root)
-    bare = [i for i, b in enumerate(blocks) if isinstance(b, (nn.ModuleList, nn.ModuleDict))]
-    if bare:
-        raise TensorParallelError(
-            f"sequence parallelism (tp={tp}) cuts the sequence at the input of the first block and joins it at the "
-            f"output of the last, but the blocks of {plan.blocks} are {type(blocks[bare[0]]).__name__}s with no "
-            f"forward of their own, so neither point can be hooked. Give each block a module with a forward (e.g. "
-            f"`class Block(nn.Module)` calling its attention and MLP), or use sequence_parallel=false (tp alone "
-            f"runs this model)."
-        )
-
-
 def _before_columns(block: nn.Module, mlp) -> list[str]:
     """Parameters of the MLP's own layers registered before its first column projection (the
     norm an ``nn.Sequential(norm, up, act, down)`` starts with): their output feeds only the
@@ -308,7 +220,7 @@ class TensorParallel:
         self.device = placement_device(root, tp_mesh.device_type)  # real even for a meta-built model
         validate_tensor_parallel(plan, root, self.size)
         if sequence_parallel:
-            _check_block_forwards(plan, root, self.size)
+            check_block_forwards(plan, root, self.size)
         # Parameter names (every alias of a tied parameter) -> how that parameter was cut.
         self.shards: dict[str, TensorShard] = {}
         # Names of replicated parameters used only on a sequence shard: their gradients are
@@ -344,12 +256,12 @@ class TensorParallel:
         self._shard_param(module, "weight", shard)
         if getattr(module, "bias", None) is not None:
             self._shard_param(module, "bias", TensorShard(0, p.segments))
-        self._set_width(module, ("out_features", "nf"), _out_features(module, p))
+        self._set_width(module, ("out_features", "nf"), out_features(module, p))
 
     def _row(self, block: nn.Module, p: Projection) -> None:
         module = block.get_submodule(p.path)
         self._shard_param(module, "weight", _row_shard(p))
-        self._set_width(module, ("in_features", "nx"), _in_features(module, p))
+        self._set_width(module, ("in_features", "nx"), in_features(module, p))
         if self.sequence_parallel:
             reduce = lambda y: tensor_ops.reduce_scatter_from_tp(y, self.group)  # noqa: E731
         else:
@@ -398,7 +310,7 @@ class TensorParallel:
                 # The full model's widths, only for rebuilding a per-head bias (a packed
                 # nn.MultiheadAttention holds no per-projection weight to read them from).
                 full_widths = (
-                    {block.get_submodule(p.path): _out_features(block.get_submodule(p.path), p) for p in att.column}
+                    {block.get_submodule(p.path): out_features(block.get_submodule(p.path), p) for p in att.column}
                     if att.per_head_bias
                     else {}
                 )

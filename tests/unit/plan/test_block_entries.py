@@ -7,7 +7,7 @@ from torch import nn
 
 from lightning_5d.plan import ProjectionKind, discover
 from lightning_5d.plan.blocks import ModelMappingError
-from lightning_5d.parallel.tensor.sharding import TensorParallelError, validate_tensor_parallel
+from lightning_5d.parallel.tensor.validate import TensorParallelError, validate_tensor_parallel
 
 
 class Attention(nn.Module):

@@ -4,7 +4,7 @@ import pytest
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_5d.parallel.tensor.sharding import validate_tensor_parallel
+from lightning_5d.parallel.tensor.validate import validate_tensor_parallel
 from lightning_5d.plan import ModelMappingError, discover, find_blocks
 
 HIDDEN, D = 16, 4

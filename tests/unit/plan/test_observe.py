@@ -123,7 +123,7 @@ def test_the_probe_leaves_parameters_gradients_and_modes_alone():
 
 
 def test_tensor_parallelism_refuses_an_unknown_layout_naming_the_projection():
-    from lightning_5d.parallel.tensor.sharding import TensorParallelError, validate_tensor_parallel
+    from lightning_5d.parallel.tensor.validate import TensorParallelError, validate_tensor_parallel
 
     net = Net(attention="one_head")
     with pytest.raises(TensorParallelError, match=r"layers\.0\.attn\.qkv.*tp=1"):

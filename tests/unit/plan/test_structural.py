@@ -3,7 +3,7 @@
 import pytest
 from torch import nn
 
-from lightning_5d.parallel.tensor.sharding import validate_tensor_parallel
+from lightning_5d.parallel.tensor.validate import validate_tensor_parallel
 from lightning_5d.plan import ModelMappingError, PlanSource, discover
 
 

@@ -5,7 +5,8 @@ import torch
 
 from lightning_5d.config import LayoutError
 from lightning_5d.models.llama import LlamaConfig, LlamaModel
-from lightning_5d.parallel.tensor.sharding import TensorParallelError, TensorShard, validate_tensor_parallel
+from lightning_5d.parallel.tensor.sharding import TensorShard
+from lightning_5d.parallel.tensor.validate import TensorParallelError, validate_tensor_parallel
 from lightning_5d.plan import discover
 
 
