@@ -51,9 +51,9 @@ from lightning_5d.pipeline_shape import (
     local_stages,
     stage_ranks,
 )
-from lightning_5d.plan import paths
-from lightning_5d.plan.model_plan import LooseParam, ModelPlan, Phase
+from lightning_5d.plan.model_plan import ModelPlan
 
+from .cuttable import check_cuttable
 from .batch import (
     PipelineError,
     _combine_logs,
@@ -155,8 +155,7 @@ class PipelineParallel:
         self.microbatches = config.microbatches or default_microbatches(self.pp, self.v)
         check_schedule(self.schedule, self.pp, self.v, self.microbatches)
         check_stage_count(plan.num_blocks, self.pp, self.v)
-        _check_cuttable(module, plan)
-        first_loose, last_loose = _loose_by_stage(module, plan)
+        first_loose, last_loose = check_cuttable(module, plan)
         params = dict(module.named_parameters())
         self._first_loose = {n: params[n] for n in first_loose}
         self._last_loose = {n: params[n] for n in last_loose}
@@ -561,47 +560,3 @@ def _first_argument_name(block: nn.Module) -> str:
     inner = getattr(block, "_checkpoint_wrapped_module", block)
     params = [p for p in inspect.signature(inner.forward).parameters.values() if p.name != "self"]
     return params[0].name if params else "hidden_states"
-
-
-def _check_cuttable(module: nn.Module, plan: ModelPlan) -> None:
-    if plan.head is None:
-        raise PipelineError("the model plan has no output head; pp needs one to know where the last stage ends.")
-    bare = [i for i, b in enumerate(plan.blocks_of(module)) if isinstance(b, (nn.ModuleList, nn.ModuleDict))]
-    if bare:
-        # A stage boundary is a hook on a block's forward; a container the model iterates has none.
-        raise PipelineError(
-            f"the blocks of {plan.blocks} are {type(plan.blocks_of(module)[bare[0]]).__name__}s with no forward of "
-            f"their own, so no pipeline stage boundary can be hooked between them. Give each block a module with a "
-            f"forward (e.g. `class Block(nn.Module)` calling its attention and MLP), or use pp=1."
-        )
-    _loose_by_stage(module, plan)
-
-
-def _loose_by_stage(module: nn.Module, plan: ModelPlan) -> tuple[list[str], list[str]]:
-    """Parameters outside the parts that the first / the last stage holds: those the probe saw
-    read only before the first block (with the embedding) / only after the last one (with the
-    head). Any other one is refused, with when it was read."""
-    known = [plan.blocks, *(p for p in (plan.embedding, plan.position_embedding, plan.final_norm, plan.head) if p)]
-    stray = [
-        name for name, _ in module.named_parameters() if not any(paths.is_within(name, k) for k in known)
-    ]
-    observed = {p.name: p for p in plan.loose_params}
-    first = [n for n in stray if n in observed and observed[n].phase is Phase.BEFORE]
-    last = [n for n in stray if n in observed and observed[n].phase is Phase.AFTER]
-    left = [n for n in stray if n not in first + last]
-    if left:
-        raise PipelineError(
-            "parameters outside the blocks, embedding, final norm and head cannot be placed on a pipeline stage: "
-            f"{', '.join(_when_read(n, observed.get(n)) for n in left[:5])}. A pipeline stage holds whole blocks, "
-            f"and the first stage also what the forward reads before the first block, the last stage what it reads "
-            f"after the last block; move each of these into a block (or into the embedding / head module), or use pp=1."
-        )
-    return first, last
-
-
-def _when_read(name: str, loose: LooseParam | None) -> str:
-    if loose is None:
-        return f"{name} (not observed: the probe forward did not run)"
-    if not loose.phases:
-        return f"{name} (never read by the probe forward)"
-    return f"{name} (read {' and '.join(p.value for p in Phase if p in loose.phases)})"

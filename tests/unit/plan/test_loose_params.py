@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lightning_5d.parallel.pipeline.batch import PipelineError
-from lightning_5d.parallel.pipeline.stages import _loose_by_stage
+from lightning_5d.parallel.pipeline.cuttable import loose_by_stage
 from lightning_5d.plan import discover
 from lightning_5d.plan.model_plan import Phase
 
@@ -70,7 +70,7 @@ def test_pipeline_places_parameters_read_before_or_after_the_blocks():
     torch.manual_seed(0)
     for where, expected in (("before", (["extra"], [])), ("after", ([], ["extra"]))):
         model = Model(where)
-        assert _loose_by_stage(model, discover(model)) == expected
+        assert loose_by_stage(model, discover(model)) == expected
 
 
 @pytest.mark.parametrize(
@@ -81,7 +81,7 @@ def test_pipeline_refusal_says_when_the_parameter_was_read(where, said):
     torch.manual_seed(0)
     model = Model(where)
     with pytest.raises(PipelineError) as caught:
-        _loose_by_stage(model, discover(model))
+        loose_by_stage(model, discover(model))
     message = str(caught.value)
     assert said in message and "move each of these into a block" in message and "use pp=1" in message
 
@@ -92,4 +92,4 @@ def test_meta_weights_are_not_observed_and_refused_as_such():
     plan = discover(model)
     assert plan.loose_params == ()
     with pytest.raises(PipelineError, match=r"extra \(not observed: the probe forward did not run\)"):
-        _loose_by_stage(model, plan)
+        loose_by_stage(model, plan)

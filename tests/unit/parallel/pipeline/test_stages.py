@@ -5,7 +5,7 @@ import torch
 
 from lightning_5d.models import LlamaConfig, LlamaLM
 from lightning_5d.config import PipelineSchedule
-from lightning_5d.parallel.pipeline.stages import _check_cuttable
+from lightning_5d.parallel.pipeline.cuttable import check_cuttable
 from lightning_5d.parallel.pipeline.tied import check_tied_schedule, tied_names
 from lightning_5d.parallel.pipeline.batch import PipelineError
 from lightning_5d.plan import discover
@@ -14,7 +14,7 @@ from lightning_5d.plan import discover
 def test_tied_embeddings_are_cut_with_the_shared_weight_named_on_both_ends():
     module = LlamaLM(LlamaConfig(num_layers=2, tie_embeddings=True))
     plan = discover(module)
-    _check_cuttable(module, plan)  # no longer refused
+    check_cuttable(module, plan)  # no longer refused
     tied = tied_names(module.get_submodule(plan.embedding), module.get_submodule(plan.head))
     assert tied == [("weight", "weight")]
     untied = LlamaLM(LlamaConfig(num_layers=2))
@@ -33,7 +33,7 @@ def test_a_parameter_outside_the_mapped_parts_is_refused():
     module = LlamaLM(LlamaConfig(num_layers=2))
     module.temperature = torch.nn.Parameter(torch.ones(()))
     with pytest.raises(PipelineError, match="temperature"):
-        _check_cuttable(module, discover(module))
+        check_cuttable(module, discover(module))
 
 
 def test_tied_embeddings_under_a_v_schedule_are_refused_with_a_schedule_that_works():
