@@ -96,10 +96,73 @@ def watch_phases() -> PhaseRSS:
 
     phases.wrap(dimensions.Verify, "apply", "verify")
     phases.wrap(check, "run_probe", "verify: probe forward")
+    if os.environ.get("STARTUP_TRACE_PROBE"):
+        trace_probe_modules(phases, check)
     phases.wrap(check.PlanCheck, "_compare", "verify: compare pieces")
     phases.wrap(strategy.FiveDStrategy, "setup_optimizers", "optimizer")
     phases.wrap(strategy.FiveDStrategy, "setup", "setup (all)")
     return phases
+
+
+def trace_probe_modules(phases: PhaseRSS, check) -> None:
+    """Finer phases inside the probe forward: one per FSDP2 unit's forward, and the glibc heap's
+    free bytes after each (mallinfo2: memory the allocator holds but no tensor uses)."""
+    import ctypes
+
+    from torch.distributed.fsdp import FSDPModule
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in
+                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                     "keepcost")]  # fmt: skip
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    inner = check.run_probe
+
+    def traced(module, batch, forward):
+        handles = []
+        for name, m in module.named_modules():
+            if not isinstance(m, FSDPModule):
+                continue
+
+            def pre(_m, _a, name=name):
+                phases.phase = f"probe: {name or 'root'}"
+
+            def post(_m, _a, _o, name=name):
+                info = libc.mallinfo2()
+                phases.peaks[f"probe: {name or 'root'} done; heap free {info.fordblks >> 20} MiB, "
+                             f"in use {info.uordblks >> 20}, mmapped {info.hblkhd >> 20}"] = rss_bytes()
+                phases.phase = f"probe: after {name or 'root'}"
+
+            handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+        try:
+            return inner(module, batch, forward)
+        finally:
+            for h in handles:
+                h.remove()
+
+    check.run_probe = traced
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
+
+    counter = [0]
+    for method in ("unshard", "wait_for_unshard", "reshard", "post_forward"):
+        original = getattr(pg.FSDPParamGroup, method)
+
+        def wrapped(self, *a, _original=original, _method=method, **k):
+            outer = phases.phase
+            counter[0] += 1
+            label = f"{counter[0]:04d} {outer} / {_method} {self._module_fqn}"
+            start = rss_bytes()
+            phases.phase = label
+            try:
+                return _original(self, *a, **k)
+            finally:
+                phases.peaks[label] = max(phases.peaks.get(label, 0), rss_bytes())
+                phases.peaks[label + " (start)"] = start
+                phases.phase = outer
+
+        setattr(pg.FSDPParamGroup, method, wrapped)
 
 
 def keep_tp_references() -> None:

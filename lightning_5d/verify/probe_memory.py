@@ -1,9 +1,10 @@
 """FSDP2 settings for the verifier's probe forward, so it holds one gathered unit at a time.
 
 Training wants some units gathered after their forward (the last block, the norm + head unit,
-the root: the backward needs them at once); the probe runs no backward, so while it lasts every
-unit gives its parameters back after its forward (:func:`probe_settings`), and the settings are
-put back after it.
+the root: the backward needs them at once), and on GPU each block gathers the next one ahead of
+its forward (explicit prefetch); the probe runs no backward and needs no overlap, so while it
+lasts every unit gives its parameters back after its forward and prefetches nothing
+(:func:`probe_settings`), and the settings are put back after it.
 
 FSDP2 also keeps each unit's all-gather buffer (as large as the unit) alive in forward until the
 next unit has copied its own out, to overlap the two on GPU streams: on CPU the probe held the
@@ -24,8 +25,11 @@ class ProbeSettings:
 
     def __init__(self) -> None:
         self.reshard: list[tuple[Any, bool | None, list[Any]]] = []
+        self.prefetch: list[tuple[Any, list[Any]]] = []
 
     def restore(self) -> None:
+        for state, targets in self.prefetch:
+            state._states_to_forward_prefetch = targets
         for state, auto, infos in self.reshard:
             state._auto_reshard_after_forward = auto
             for group, info in zip(state._fsdp_param_groups, infos):
@@ -45,6 +49,10 @@ def probe_settings(units: Sequence[FSDPModule]) -> ProbeSettings:
         groups = state._fsdp_param_groups
         saved.reshard.append((state, state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in groups]))
         unit.set_reshard_after_forward(True, recurse=False)
+        # An explicit forward prefetch (set on GPU) gathers the next unit while this one runs:
+        # a second unit gathered, for an overlap the probe does not need.
+        saved.prefetch.append((state, state._states_to_forward_prefetch))
+        state._states_to_forward_prefetch = []
     return saved
 
 
