@@ -144,7 +144,8 @@ def step_table(result: dict) -> list[str]:
     for r in rows:
         fb = max(k["step_peaks"]["forward_backward"] - k["baseline"] for k in r["ranks"])
         step = max(k["step_peaks"]["step"] - k["baseline"] for k in r["ranks"])
-        lines.append(f"| {r['label']} | {fb / 2**20:,.0f} | {fb / full:.2f} | {step / 2**20:,.0f} | {step / full:.2f} |")
+        cells = [f"{fb / 2**20:,.0f}", f"{fb / full:.2f}", f"{step / 2**20:,.0f}", f"{step / full:.2f}"]
+        lines.append(f"| {r['label']} | " + " | ".join(cells) + " |")
     return lines
 
 

@@ -30,8 +30,9 @@ Why each condition holds in torch 2.13 (checked by tests/distributed/test_gather
   dropped early by ``verify/probe_memory.drop_kept_gather``) then refers to freed storage and
   holds nothing;
 - prefetch (forward, backward) and ``unshard(async_op=True)`` only move the time of the
-  ``allocate`` earlier (and an async gather here finishes before ``unshard`` returns): the unit is sharded until its copy-out (``unshard`` returns at once for
-  a unit already unsharded or with a gather pending), so nothing reads the buffer meanwhile;
+  ``allocate`` earlier (and an async gather here finishes before ``unshard`` returns): the unit
+  is sharded until its copy-out (``unshard`` returns at once for a unit already unsharded or
+  with a gather pending), so nothing reads the buffer meanwhile;
 - autograd: the buffer handed to FSDP2 is a second tensor on the same storage, not a view,
   so the collective's writes do not bump the version counter the unsharded parameter (saved
   for backward) shares with its buffer, as FSDP2's copy-out is careful not to;
@@ -129,7 +130,8 @@ if AllGather is not None:
             if len(outputs) != 1:
                 return None
             out = outputs[0]
-            if out.numel() != numel or out.dtype != dtype or out.device != torch.device(device) or not out.is_contiguous():
+            fits = out.numel() == numel and out.dtype == dtype and out.device == torch.device(device)
+            if not fits or not out.is_contiguous():
                 return None
             param.alloc_all_gather_outputs()
             return out

@@ -24,7 +24,9 @@ class FakeParam:
 
     def init_all_gather_outputs(self, numels, dtypes, world_size, device):
         if not self.all_gather_outputs:
-            self.all_gather_outputs = [torch.empty(n * world_size, dtype=d, device=device) for n, d in zip(numels, dtypes)]
+            self.all_gather_outputs = [
+                torch.empty(n * world_size, dtype=d, device=device) for n, d in zip(numels, dtypes)
+            ]
 
     def alloc_all_gather_outputs(self):
         for t in self.all_gather_outputs:
@@ -70,7 +72,8 @@ def test_everything_else_keeps_fsdp2s_gather(case):
 def test_fsdp2_internals_not_as_expected_keep_its_gather(missing):
     """A torch whose FSDPParam lacks what the in-place gather uses: nothing is installed."""
     fields = {k: v for k, v in vars(FakeParam()).items() if k != missing}
-    methods = {m: getattr(FakeParam(), m) for m in ("init_all_gather_outputs", "alloc_all_gather_outputs") if m != missing}
+    names = ("init_all_gather_outputs", "alloc_all_gather_outputs")
+    methods = {m: getattr(FakeParam(), m) for m in names if m != missing}
     assert one_param(groups(SimpleNamespace(**fields, **methods))) is None
 
 
