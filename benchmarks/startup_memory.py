@@ -35,6 +35,13 @@ VARIANTS = [
     ("ours_eager_tp2_zero3", "`FiveDStrategy(tp=2, zero=3)`, eager"),
     ("ours_meta_tp2_zero3", "`FiveDStrategy(tp=2, zero=3)`, `init_module(empty_init=True)`"),
     ("ours_meta_pp2_zero3", "`FiveDStrategy(pp=2, zero=3)`, `init_module(empty_init=True)`"),
+    # Through the first training step: one-parameter units gathered in place (ours) or by FSDP2;
+    # with the verifier on, whether its start-up peak is ever the job's.
+    ("lightning_meta_fsdp_step", "Lightning `ModelParallelStrategy`, first step"),
+    ("ours_meta_zero3_step", "`FiveDStrategy(zero=3)`, first step"),
+    ("ours_meta_zero3_verify_off_step", "`FiveDStrategy(zero=3, verify='off')`, first step, gathered in place"),
+    ("ours_meta_zero3_verify_off_step_fsdp_gather",
+     "`FiveDStrategy(zero=3, verify='off')`, first step, FSDP2's own gather"),
 ]
 PARTIAL = Path(os.environ.get("STARTUP_MEMORY_PARTIAL", "/tmp/startup_memory_partial.json"))
 THEIRS = "lightning_meta_fsdp"
@@ -124,7 +131,25 @@ def markdown(result: dict) -> str:
         old = before.get(r["variant"], {}).get("fraction")
         lines.append(f"| {r['label']}{note} | {r['max_above'] / 2**20:,.0f} | {r['fraction']:.2f} | "
                      f"{'' if old is None else f'{old:.2f}'} | {ratio} | {held / 2**20:,.0f} | {r['wall_s']:.0f} |")  # fmt: skip
-    return "\n".join(lines)
+    return "\n".join(lines + step_table(result))
+
+
+def step_table(result: dict) -> list[str]:
+    """The first training step's peaks (VmHWM reset at ``on_train_start``), above the baseline."""
+    rows = [r for r in result["rows"] if "error" not in r and "step_peaks" in r["ranks"][0]]
+    if not rows:
+        return []
+    full = result["full_bytes"]
+    lines = ["", "First training step (batch 2 x 16 tokens, AdamW), largest rank, above the baseline: "
+             "peak up to the optimizer step (forward + backward) and through it.", "",
+             "| variant | forward + backward peak (MiB) | fraction | step peak (MiB) | fraction |",
+             "|---|---:|---:|---:|---:|"]  # fmt: skip
+    for r in rows:
+        fb = max(k["step_peaks"]["forward_backward"] - k["baseline"] for k in r["ranks"])
+        step = max(k["step_peaks"]["step"] - k["baseline"] for k in r["ranks"])
+        cells = [f"{fb / 2**20:,.0f}", f"{fb / full:.2f}", f"{step / 2**20:,.0f}", f"{step / full:.2f}"]
+        lines.append(f"| {r['label']} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def phase_table(result: dict) -> str:

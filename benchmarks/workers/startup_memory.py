@@ -3,7 +3,10 @@
 Run by benchmarks/startup_memory.py under torch.distributed.run. The fit stops at
 ``on_train_start`` (after setup: the model is parallelized, materialized, the optimizer
 built), before step 0. Measured per rank: the RSS before the model exists (baseline) and
-the peak RSS up to that point (``ru_maxrss``).
+the peak RSS up to that point (``ru_maxrss``). The ``_step`` variants go on through the first
+training step and also record its peaks (VmHWM reset at ``on_train_start``): up to the
+optimizer step (forward + backward) and through it; ``_fsdp_gather``: with FSDP2's own gather
+of the one-parameter units instead of ours in place (parallel/data/gather_in_place.py).
 """
 
 import argparse
@@ -37,13 +40,35 @@ def rss_bytes() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
+def hwm_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 class StopBeforeStep(L.Callback):
-    def __init__(self):
+    def __init__(self, first_step: bool = False):
         self.peak = None
+        self.first_step = first_step  # go on through step 0 and record its peaks
+        self.step_peaks: dict[str, int] = {}
 
     def on_train_start(self, trainer, pl_module):
         self.peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        trainer.should_stop = True
+        self.rss_at_start = rss_bytes()
+        if not self.first_step:
+            trainer.should_stop = True
+            return
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS: the step's own peak from here
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if self.first_step and "forward_backward" not in self.step_peaks:
+            self.step_peaks["forward_backward"] = hwm_bytes()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.first_step and "step" not in self.step_peaks:
+            self.step_peaks["step"] = hwm_bytes()
+            trainer.should_stop = True
 
 
 class PhaseRSS:
@@ -143,6 +168,16 @@ def trace_probe_modules(phases: PhaseRSS, check) -> None:
                 h.remove()
 
     check.run_probe = traced
+    compare = check.PlanCheck._compare
+
+    def compare_traced(self, piece, *a, **k):
+        outer, phases.phase = phases.phase, f"compare: {piece.path}"
+        try:
+            return compare(self, piece, *a, **k)
+        finally:
+            phases.phase = outer
+
+    check.PlanCheck._compare = compare_traced
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
 
     counter = [0]
@@ -176,6 +211,13 @@ def keep_tp_references() -> None:
     TensorParallel._apply = apply_and_keep
 
 
+def fsdp_gather() -> None:
+    """FSDP2's own gather for every unit: nothing gathers in place."""
+    from lightning_5d.parallel.data import fsdp
+
+    fsdp.gather_in_place = lambda units: 0
+
+
 def main() -> None:
     args = parser.parse_args()
     config = LlamaConfig(**json.loads(args.model))
@@ -193,12 +235,14 @@ def main() -> None:
         pp = 2 if "pp2" in v else 1
         if "old" in v:
             keep_tp_references()
+        if "fsdp_gather" in v:
+            fsdp_gather()
         verify = "off" if "verify_off" in v else "blocks"
         strategy = lightning_5d.FiveDStrategy(zero=3, tp=tp, pp=pp, pipeline={"microbatches": 2}, verify=verify)
         cls = LlamaLM
     L.seed_everything(0, verbose=False)
     model = cls(config) if build == "eager" else None
-    stop = StopBeforeStep()
+    stop = StopBeforeStep(first_step="_step" in v)
     trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, max_steps=1,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[stop])  # fmt: skip
@@ -212,7 +256,10 @@ def main() -> None:
     ids = torch.randint(0, config.vocab_size, (64, 17))
     data = [{"input_ids": row[:-1], "labels": row[1:]} for row in ids]
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=2, drop_last=True))
-    record = {"baseline": baseline, "peak": stop.peak, "rss_after_setup": rss_bytes()}
+    # After setup: at on_train_start (the _step variants' fit has gone on through a step since).
+    record = {"baseline": baseline, "peak": stop.peak, "rss_after_setup": stop.rss_at_start}
+    if stop.first_step:
+        record["step_peaks"] = stop.step_peaks
     if phases is not None:
         record["phases"] = phases.stop()
     write_ranks_and_leave(record, args.out)

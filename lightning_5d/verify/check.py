@@ -218,6 +218,9 @@ class PlanCheck:
                                                     parallel if piece_grads else None, device, compute_dtype))  # fmt: skip
             except _NotComparable as why:
                 report.skipped.append(str(why))
+            # Its recorded activations are needed by no later piece: the head's compare (the
+            # peak: its gathered V x h weight) then holds none of the blocks' (~1 MiB each).
+            recorder.forget([piece.path, *(f"{piece.path}.{inner}" for inner, _ in inner_paths(piece))])
             release_freed_memory()
         recorder.records.clear()
         if own_code:

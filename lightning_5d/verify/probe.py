@@ -79,6 +79,11 @@ class Recorder:
 
         self._handles.append(module.register_forward_hook(after, with_kwargs=True))
 
+    def forget(self, paths: list[str]) -> None:
+        """Drop the records of ``paths`` (a compared piece and the modules inside it)."""
+        for path in paths:
+            self.records.pop(path, None)
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from lightning_5d.config import ZeroStage
 from lightning_5d.layout_rules import Combination, hsdp_zero3_cp
 from lightning_5d.mesh import ParallelMesh
+from lightning_5d.parallel.data.gather_in_place import gather_in_place
 from lightning_5d.plan.blocks import ModelMappingError
 
 
@@ -78,6 +79,7 @@ def apply_fsdp(
         units.extend(root if isinstance(root, list) else [root])  # type: ignore[arg-type]
     if dp_mesh.device_type != "cpu":
         _set_prefetch(heads)
+    gather_in_place(units)
     return units
 
 
@@ -111,6 +113,7 @@ def apply_expert_fsdp(experts, mesh: ParallelMesh, mp_policy: MixedPrecisionPoli
         module.set_gradient_divide_factor(float(mesh.size("dp_cp")))
         module.set_force_sum_reduction_for_comms(True)  # a sum plus a scale: gloo has no PREMUL_SUM
         units.append(module)  # type: ignore[arg-type]
+    gather_in_place(units)
     return units
 
 
@@ -138,9 +141,12 @@ def _outer_units(
 
     Each token embedding (an ``nn.Embedding``) is its own unit, resharded after its forward: it
     is used first in forward and last in backward, so keeping it gathered would hold Vh for the
-    whole step. Every other leaf that owns parameters outside the blocks (final norm, head) joins
-    one unit (FSDP2 gathers a list together) that stays gathered after forward: it runs last in
-    forward and first in backward, so resharding it would only gather it again at once.
+    whole step. Every other leaf that owns parameters outside the blocks (final norm, head) stays
+    gathered after forward: it runs last in forward and first in backward, so resharding it would
+    only gather it again at once. The largest of them gets a unit of its own when it holds one
+    parameter (an untied head): a one-parameter unit gathers in place (``gather_in_place``), once
+    instead of twice its size; the others (the final norm) share one unit (FSDP2 gathers a list
+    together).
     Modules that share a parameter with another module (a head tied to the embedding) stay in
     the root, as one unit must hold a shared parameter; so do parameters set directly on a
     container of the blocks (their forward is the container's) and any module holding
@@ -172,9 +178,18 @@ def _outer_units(
             continue
         (embeddings if isinstance(m, nn.Embedding) else rest).append(m)
     out: list[tuple[nn.Module | list[nn.Module], bool]] = [(e, not in_pipeline) for e in embeddings]
-    if rest:
+    largest = max(rest, key=_own_numel, default=None)
+    if largest is not None and len(rest) > 1 and len(list(largest.parameters(recurse=False))) == 1:
+        rest = [m for m in rest if m is not largest]
+        out.append((rest if len(rest) > 1 else rest[0], False))
+        out.append((largest, False))
+    elif rest:
         out.append((rest if len(rest) > 1 else rest[0], False))
     return out
+
+
+def _own_numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters(recurse=False))
 
 
 def _set_prefetch(blocks: Sequence[FSDPModule]) -> None:

@@ -17,12 +17,23 @@ def units_of(model: nn.Module, in_pipeline: bool = False):
     return _outer_units(model, blocks, taken, in_pipeline=in_pipeline)
 
 
-def test_untied_embedding_alone_and_norm_with_head():
+def test_untied_embedding_alone_then_norm_and_head_each_alone():
     with torch.device("meta"):
         model = LlamaModel(CONFIG)
-    (emb, emb_reshard), (rest, rest_reshard) = units_of(model)
+    (emb, emb_reshard), (norm, norm_reshard), (head, head_reshard) = units_of(model)
     assert emb is model.embed_tokens and emb_reshard  # used first in forward, last in backward
-    assert rest == [model.norm, model.lm_head] and not rest_reshard  # last in forward, first in backward
+    # Last in forward, first in backward: both stay gathered. The head, one parameter, is a unit
+    # of its own so that it gathers in place (gather_in_place.py).
+    assert norm is model.norm and head is model.lm_head and not norm_reshard and not head_reshard
+
+
+def test_a_head_with_a_bias_shares_the_norms_unit():
+    """Only a one-parameter leaf gathers in place: a head with a bias stays with the norm."""
+    with torch.device("meta"):
+        model = LlamaModel(CONFIG)
+        model.lm_head = nn.Linear(CONFIG.hidden_size, CONFIG.vocab_size)
+    (_, _), (rest, _) = units_of(model)
+    assert rest == [model.norm, model.lm_head]
 
 
 def test_tied_head_stays_with_its_embedding_in_the_root():
@@ -34,7 +45,7 @@ def test_tied_head_stays_with_its_embedding_in_the_root():
 def test_under_pp_the_embedding_stays_gathered_across_microbatches():
     with torch.device("meta"):
         model = LlamaModel(CONFIG)
-    assert [reshard for _, reshard in units_of(model, in_pipeline=True)] == [False, False]
+    assert [reshard for _, reshard in units_of(model, in_pipeline=True)] == [False, False, False]
 
 
 def test_a_module_with_parameters_and_parameterized_children_stays_in_the_root():
