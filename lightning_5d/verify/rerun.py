@@ -50,16 +50,11 @@ class ParallelGrads:
     zero3: bool = False
 
     def of(
-        self, live: nn.Module, prefix: str, args: tuple, kwargs: dict, names: list[str],
-        while_gathered: Callable[[], None] | None = None,
-    ) -> dict[str, Tensor] | None:  # fmt: skip
+        self, live: nn.Module, prefix: str, args: tuple, kwargs: dict, names: list[str]
+    ) -> dict[str, Tensor] | None:
         """``names``' gradients (relative to the piece at ``prefix``) at this rank's shape, summed
         over cp (and tp where training sums them); None when a parameter stays a ``DTensor``
         once gathered (not one of this model's ZeRO-3 units).
-
-        ``while_gathered`` runs after the backward while the piece's ZeRO-3 units are still
-        gathered: the verifier takes the full weights from those unsharded parameters there,
-        instead of gathering every shard a second time.
 
         A collective (ZeRO-3 gathers, tp/cp inside the piece, the sums): every rank holding the
         piece calls it in the same order."""
@@ -71,8 +66,6 @@ class ParallelGrads:
                 # The backward inside the context too: activation checkpointing recomputes there.
                 grads = local_grads(rerun(live, args, kwargs), [params[n] for n in names])
             del params
-            if while_gathered is not None:
-                while_gathered()
         # Under ZeRO-3 training sums tp's partial gradients after the backward (FSDP2's parameters carry no hooks).
         partial = self.tp.sequence_partial if self.tp is not None and self.zero3 else ()
         return summed(dict(zip(names, grads)), prefix, self.tp, self.cp, partial)

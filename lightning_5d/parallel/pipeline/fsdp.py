@@ -13,7 +13,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from lightning_5d.materialize.heap import release_freed_memory
 
 
 def adopt_stage_units(units: Sequence[FSDPModule]) -> None:
@@ -56,6 +59,27 @@ def drop_held_gradients(units: Sequence[FSDPModule]) -> None:
                 param.unsharded_param.grad = None
         if state._is_root:
             unit.reset_iter_state()  # waits for collectives in flight, reshards, resets the states
+
+
+def reset_stopped_forward(module: nn.Module) -> None:
+    """After a forward stopped by an exception (the shape probe's stop at the first block's input).
+
+    FSDP2's pre-forward hook on that block runs before the stop (it is registered first, and
+    tp's sequence scatter, whose output shape the probe wants, runs between the two), so the
+    block's unit was gathered, and its post-forward, which reshards it, never ran: the unit stayed
+    gathered (its parameters plus the all-gather buffer FSDP2 keeps for the next unit, on a 0.5 B
+    model 2 x 96 MiB) while the first microbatch gathered the embedding (measured: the first
+    stage's start-up peak). Each root's ``reset_iter_state`` (FSDP2's recovery after an aborted
+    forward) reshards every unit, drops that buffer and the half-run iteration's state. Nothing
+    is lost: no gradient exists before the schedule that follows. The block's gathered matrices
+    (below glibc's 32 MiB mmap threshold) then go back to the OS, or RSS keeps them (measured:
+    the reset alone left the peak unchanged).
+    """
+    roots = [u for u in module.modules() if isinstance(u, FSDPModule) and fully_shard.state(u)._is_root]
+    for unit in roots:
+        unit.reset_iter_state()
+    if roots:
+        release_freed_memory()
 
 
 def reduce_held_gradients(units: Sequence[FSDPModule]) -> None:

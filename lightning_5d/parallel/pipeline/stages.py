@@ -66,6 +66,7 @@ from .batch import (
 from .stage import StageTimes, TimedStage
 from .failure import StepFailures
 from .forward_only import ForwardOnlyOutcome, ForwardOnlyRun, raise_failure
+from .fsdp import reset_stopped_forward
 from .schedule import schedule_class
 from .split import split_blocks, stage_weights
 from .tied import TiedEmbedding, check_tied_schedule, tied_names
@@ -459,6 +460,7 @@ class PipelineParallel:
                     h.remove()
                 self._logs.pop(-1, None)
                 self._rest()
+                reset_stopped_forward(self.module)  # ZeRO-3: the first block's unit, gathered before the stop
             if meta is None and error is None:
                 error = (
                     f"the step never called the model's first block ({self.plan.block_path(0)}); under pp the "

@@ -1,6 +1,6 @@
 """ZeRO-3 units under a pipeline run (parallel/pipeline/fsdp.py), on a world of one rank:
-gradients held across the run's backwards reduce once, and a run that raised leaves nothing
-behind for the next one."""
+gradients held across the run's backwards reduce once, and a run that raised (or a forward the
+shape probe stopped) leaves nothing behind for the next one."""
 
 import pytest
 import torch
@@ -14,6 +14,7 @@ from lightning_5d.parallel.pipeline.fsdp import (
     drop_held_gradients,
     hold_gradients,
     reduce_held_gradients,
+    reset_stopped_forward,
 )
 
 
@@ -57,5 +58,28 @@ def test_a_run_that_raised_leaves_no_gradient_for_the_next(units):
     hold_gradients(units)
     model(x).float().sum().backward()  # the run's first microbatch, then the step raised
     drop_held_gradients(units)
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    torch.testing.assert_close(run(model, units, [x]), clean)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _stop(*_args):
+    raise _Stop
+
+
+def test_a_forward_stopped_at_a_units_input_leaves_no_unit_gathered(units):
+    model, units = units
+    x = torch.randn(4, 8)
+    clean = run(model, units, [x])
+    # As the pipeline's shape probe stops at the first block's input: after FSDP2's pre-forward hook.
+    handle = model[1].register_forward_pre_hook(_stop)
+    with pytest.raises(_Stop), torch.no_grad():
+        model(x)
+    handle.remove()
+    assert not isinstance(model[1].weight, DTensor)  # gathered before the stop; its post-forward never ran
+    reset_stopped_forward(model)
     assert all(isinstance(p, DTensor) for p in model.parameters())
     torch.testing.assert_close(run(model, units, [x]), clean)
