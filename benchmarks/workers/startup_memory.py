@@ -7,6 +7,7 @@ the peak RSS up to that point (``ru_maxrss``).
 """
 
 import argparse
+import ctypes
 import json
 import os
 import resource
@@ -30,11 +31,13 @@ parser.add_argument("--out", required=True)
 parser.add_argument("--phases", action="store_true", help="also the peak RSS inside each start-up phase")
 
 
-def rss_bytes() -> int:
+def rss_bytes(field: str = "VmRSS") -> int:
+    """``field`` of /proc/self/status in bytes: VmRSS (all resident pages), RssFile (of them, mapped
+    files: the libraries' code and data)."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 class StopBeforeStep(L.Callback):
@@ -46,15 +49,37 @@ class StopBeforeStep(L.Callback):
         trainer.should_stop = True
 
 
+class MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (the fields read here: heap size, in use, free, mmapped)."""
+
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]  # fmt: skip
+
+
+def heap_info() -> dict[str, int]:
+    """The main thread's view of glibc's heap: bytes in use, free but kept, and in mmapped chunks
+    (empty where the C library is not glibc)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = MallInfo2
+    except (OSError, AttributeError):
+        return {}
+    info = libc.mallinfo2()
+    return {"in_use": info.uordblks, "free": info.fordblks, "mmapped": info.hblkhd}
+
+
 class PhaseRSS:
     """Peak RSS per start-up phase: a thread samples /proc/self/status every 5 ms and charges the
-    sample to the phase running then (phases are the strategy's steps, wrapped here)."""
+    sample to the phase running then (phases are the strategy's steps, wrapped here). ``marks``:
+    RSS and the glibc heap at each phase's start and end, in order (where each MiB goes)."""
 
     def __init__(self):
         import threading
 
         self.phase = "before setup"
         self.peaks: dict[str, int] = {}
+        self.marks: list[dict] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -69,13 +94,18 @@ class PhaseRSS:
 
         def wrapped(*args, **kwargs):
             outer, self.phase = self.phase, label
+            self.mark(f"{label}: start")
             try:
                 return original(*args, **kwargs)
             finally:
                 self.peaks[label] = max(self.peaks.get(label, 0), rss_bytes())
+                self.mark(f"{label}: end")
                 self.phase = f"after {label}"
 
         setattr(owner, name, wrapped)
+
+    def mark(self, label: str) -> None:
+        self.marks.append({"label": label, "rss": rss_bytes(), "file": rss_bytes("RssFile"), **heap_info()})
 
     def stop(self) -> dict[str, int]:
         self._stop.set()
@@ -84,6 +114,7 @@ class PhaseRSS:
 
 
 def watch_phases() -> PhaseRSS:
+    """Wrap the start-up's steps (ours and Lightning's) as phases."""
     from lightning_5d import dimensions, strategy
     from lightning_5d.materialize.build import MetaBuild
 
@@ -101,6 +132,17 @@ def watch_phases() -> PhaseRSS:
     phases.wrap(check.PlanCheck, "_compare", "verify: compare pieces")
     phases.wrap(strategy.FiveDStrategy, "setup_optimizers", "optimizer")
     phases.wrap(strategy.FiveDStrategy, "setup", "setup (all)")
+    phases.wrap(strategy.FiveDStrategy, "setup_environment", "process group + mesh")
+    for step in dimensions.STEPS:  # the other steps (wrapped above under their own labels)
+        if type(step) not in (dimensions.Discover, dimensions.SnapshotPieces, dimensions.Verify):
+            phases.wrap(type(step), "apply", f"step {step.name}")
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from lightning.pytorch.strategies import model_parallel
+
+    phases.wrap(ModelParallelStrategy, "setup_environment", "process group + mesh")
+    phases.wrap(ModelParallelStrategy, "setup", "setup (all)")
+    phases.wrap(model_parallel, "_materialize_distributed_module", "materialize (reset_parameters)")
+    phases.wrap(HandShardedLM, "configure_model", "fully_shard")
     return phases
 
 
@@ -181,6 +223,8 @@ def main() -> None:
     config = LlamaConfig(**json.loads(args.model))
     phases = watch_phases() if args.phases else None
     baseline = rss_bytes()
+    if phases is not None:
+        phases.mark("baseline")
     v = args.variant
     build = "meta" if "meta" in v else "eager"
     if v.startswith("lightning"):
@@ -205,16 +249,19 @@ def main() -> None:
     if build == "meta":
         if phases is not None:
             phases.phase = "build on meta (record)"
+            phases.mark("build on meta: start")
         with trainer.init_module(empty_init=True):
             model = cls(config)
         if phases is not None:
+            phases.mark("build on meta: end")
             phases.phase = "after build"
     ids = torch.randint(0, config.vocab_size, (64, 17))
     data = [{"input_ids": row[:-1], "labels": row[1:]} for row in ids]
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=2, drop_last=True))
     record = {"baseline": baseline, "peak": stop.peak, "rss_after_setup": rss_bytes()}
     if phases is not None:
-        record["phases"] = phases.stop()
+        phases.mark("on_train_start (end of setup)")
+        record["phases"], record["marks"] = phases.stop(), phases.marks
     write_ranks_and_leave(record, args.out)
 
 
