@@ -3,7 +3,9 @@
 Run by benchmarks/startup_memory.py under torch.distributed.run. The fit stops at
 ``on_train_start`` (after setup: the model is parallelized, materialized, the optimizer
 built), before step 0. Measured per rank: the RSS before the model exists (baseline) and
-the peak RSS up to that point (``ru_maxrss``).
+the peak RSS up to that point (``ru_maxrss``). With ``--phases`` also each phase's peak and, at
+each phase boundary, RSS, its file pages and glibc's heap; with ``STARTUP_SMAPS=1`` as well, each
+rank's /proc/self/smaps at ``on_train_start`` (which mappings hold the pages).
 """
 
 import argparse
@@ -259,6 +261,8 @@ def main() -> None:
     data = [{"input_ids": row[:-1], "labels": row[1:]} for row in ids]
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=2, drop_last=True))
     record = {"baseline": baseline, "peak": stop.peak, "rss_after_setup": rss_bytes()}
+    if phases is not None and os.environ.get("STARTUP_SMAPS"):
+        record["smaps"] = Path("/proc/self/smaps").read_text()
     if phases is not None:
         phases.mark("on_train_start (end of setup)")
         record["phases"], record["marks"] = phases.stop(), phases.marks
