@@ -164,6 +164,24 @@ def phase_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def mark_table(result: dict) -> str:
+    """RSS, of it mapped files (code), and glibc's heap (in use, free but kept) above the baseline at
+    each phase boundary, per rank (MiB)."""
+    ranks = result["ranks"]
+    base = [r["marks"][0] for r in ranks]
+    lines = ["| boundary | " + " | ".join(f"rank {i} RSS / files / heap in use / heap free" for i in range(len(ranks)))
+             + " |",
+             "|---|" + "---:|" * len(ranks)]  # fmt: skip
+
+    def mib(mark: dict, b: dict, key: str) -> str:
+        return f"{(mark.get(key, 0) - b.get(key, 0)) / 2**20:+,.1f}" if key in mark else "-"
+
+    for i in range(min(len(r["marks"]) for r in ranks)):
+        cells = [" / ".join(mib(r["marks"][i], b, k) for k in ("rss", "file", "in_use", "free")) for r, b in zip(ranks, base)]
+        lines.append(f"| {ranks[0]['marks'][i]['label']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     # One variant by hand: python -m benchmarks.startup_memory VARIANT [--phases] (QUICK=1: the small model)
     import sys
@@ -171,6 +189,7 @@ if __name__ == "__main__":
     with_phases = "--phases" in sys.argv
     result = _one(sys.argv[1], QUICK_MODEL if os.environ.get("QUICK") else MODEL, phases=with_phases)
     print(json.dumps({k: v for k, v in result.items() if k != "ranks"} | {"ranks": [
-        {k: v for k, v in r.items() if k != "phases"} for r in result["ranks"]]}, indent=1))  # fmt: skip
+        {k: v for k, v in r.items() if k not in ("phases", "marks")} for r in result["ranks"]]}, indent=1))  # fmt: skip
     if with_phases:
         print(phase_table(result))
+        print(mark_table(result))

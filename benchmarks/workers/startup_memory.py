@@ -7,9 +7,13 @@ the peak RSS up to that point (``ru_maxrss``). The ``_step`` variants go on thro
 training step and also record its peaks (VmHWM reset at ``on_train_start``): up to the
 optimizer step (forward + backward) and through it; ``_fsdp_gather``: with FSDP2's own gather
 of the one-parameter units instead of ours in place (parallel/data/gather_in_place.py).
+With ``--phases`` also each phase's peak and, at
+each phase boundary, RSS, its file pages and glibc's heap; with ``STARTUP_SMAPS=1`` as well, each
+rank's /proc/self/smaps at ``on_train_start`` (which mappings hold the pages).
 """
 
 import argparse
+import ctypes
 import json
 import os
 import resource
@@ -33,18 +37,13 @@ parser.add_argument("--out", required=True)
 parser.add_argument("--phases", action="store_true", help="also the peak RSS inside each start-up phase")
 
 
-def rss_bytes() -> int:
+def rss_bytes(field: str = "VmRSS") -> int:
+    """``field`` of /proc/self/status in bytes: VmRSS (all resident pages), RssFile (of them, mapped
+    files: the libraries' code and data)."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
-
-
-def hwm_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 class StopBeforeStep(L.Callback):
@@ -63,23 +62,45 @@ class StopBeforeStep(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         if self.first_step and "forward_backward" not in self.step_peaks:
-            self.step_peaks["forward_backward"] = hwm_bytes()
+            self.step_peaks["forward_backward"] = rss_bytes("VmHWM")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.first_step and "step" not in self.step_peaks:
-            self.step_peaks["step"] = hwm_bytes()
+            self.step_peaks["step"] = rss_bytes("VmHWM")
             trainer.should_stop = True
+
+
+class MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (the fields read here: heap size, in use, free, mmapped)."""
+
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]  # fmt: skip
+
+
+def heap_info() -> dict[str, int]:
+    """The main thread's view of glibc's heap: bytes in use, free but kept, and in mmapped chunks
+    (empty where the C library is not glibc)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = MallInfo2
+    except (OSError, AttributeError):
+        return {}
+    info = libc.mallinfo2()
+    return {"in_use": info.uordblks, "free": info.fordblks, "mmapped": info.hblkhd}
 
 
 class PhaseRSS:
     """Peak RSS per start-up phase: a thread samples /proc/self/status every 5 ms and charges the
-    sample to the phase running then (phases are the strategy's steps, wrapped here)."""
+    sample to the phase running then (phases are the strategy's steps, wrapped here). ``marks``:
+    RSS and the glibc heap at each phase's start and end, in order (where each MiB goes)."""
 
     def __init__(self):
         import threading
 
         self.phase = "before setup"
         self.peaks: dict[str, int] = {}
+        self.marks: list[dict] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -94,13 +115,18 @@ class PhaseRSS:
 
         def wrapped(*args, **kwargs):
             outer, self.phase = self.phase, label
+            self.mark(f"{label}: start")
             try:
                 return original(*args, **kwargs)
             finally:
                 self.peaks[label] = max(self.peaks.get(label, 0), rss_bytes())
+                self.mark(f"{label}: end")
                 self.phase = f"after {label}"
 
         setattr(owner, name, wrapped)
+
+    def mark(self, label: str) -> None:
+        self.marks.append({"label": label, "rss": rss_bytes(), "file": rss_bytes("RssFile"), **heap_info()})
 
     def stop(self) -> dict[str, int]:
         self._stop.set()
@@ -109,6 +135,7 @@ class PhaseRSS:
 
 
 def watch_phases() -> PhaseRSS:
+    """Wrap the start-up's steps (ours and Lightning's) as phases."""
     from lightning_5d import dimensions, strategy
     from lightning_5d.materialize.build import MetaBuild
 
@@ -126,23 +153,25 @@ def watch_phases() -> PhaseRSS:
     phases.wrap(check.PlanCheck, "_compare", "verify: compare pieces")
     phases.wrap(strategy.FiveDStrategy, "setup_optimizers", "optimizer")
     phases.wrap(strategy.FiveDStrategy, "setup", "setup (all)")
+    phases.wrap(strategy.FiveDStrategy, "setup_environment", "process group + mesh")
+    for step in dimensions.STEPS:  # the other steps (wrapped above under their own labels)
+        if type(step) not in (dimensions.Discover, dimensions.SnapshotPieces, dimensions.Verify):
+            phases.wrap(type(step), "apply", f"step {step.name}")
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from lightning.pytorch.strategies import model_parallel
+
+    phases.wrap(ModelParallelStrategy, "setup_environment", "process group + mesh")
+    phases.wrap(ModelParallelStrategy, "setup", "setup (all)")
+    phases.wrap(model_parallel, "_materialize_distributed_module", "materialize (reset_parameters)")
+    phases.wrap(HandShardedLM, "configure_model", "fully_shard")
     return phases
 
 
 def trace_probe_modules(phases: PhaseRSS, check) -> None:
     """Finer phases inside the probe forward: one per FSDP2 unit's forward, and the glibc heap's
     free bytes after each (mallinfo2: memory the allocator holds but no tensor uses)."""
-    import ctypes
-
     from torch.distributed.fsdp import FSDPModule
 
-    class MallInfo2(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in
-                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                     "keepcost")]  # fmt: skip
-
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = MallInfo2
     inner = check.run_probe
 
     def traced(module, batch, forward):
@@ -155,9 +184,8 @@ def trace_probe_modules(phases: PhaseRSS, check) -> None:
                 phases.phase = f"probe: {name or 'root'}"
 
             def post(_m, _a, _o, name=name):
-                info = libc.mallinfo2()
-                phases.peaks[f"probe: {name or 'root'} done; heap free {info.fordblks >> 20} MiB, "
-                             f"in use {info.uordblks >> 20}, mmapped {info.hblkhd >> 20}"] = rss_bytes()
+                heap = {k: v >> 20 for k, v in heap_info().items()}
+                phases.peaks[f"probe: {name or 'root'} done; heap (MiB) {heap}"] = rss_bytes()
                 phases.phase = f"probe: after {name or 'root'}"
 
             handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
@@ -223,6 +251,8 @@ def main() -> None:
     config = LlamaConfig(**json.loads(args.model))
     phases = watch_phases() if args.phases else None
     baseline = rss_bytes()
+    if phases is not None:
+        phases.mark("baseline")
     v = args.variant
     build = "meta" if "meta" in v else "eager"
     if v.startswith("lightning"):
@@ -249,9 +279,11 @@ def main() -> None:
     if build == "meta":
         if phases is not None:
             phases.phase = "build on meta (record)"
+            phases.mark("build on meta: start")
         with trainer.init_module(empty_init=True):
             model = cls(config)
         if phases is not None:
+            phases.mark("build on meta: end")
             phases.phase = "after build"
     ids = torch.randint(0, config.vocab_size, (64, 17))
     data = [{"input_ids": row[:-1], "labels": row[1:]} for row in ids]
@@ -260,8 +292,11 @@ def main() -> None:
     record = {"baseline": baseline, "peak": stop.peak, "rss_after_setup": stop.rss_at_start}
     if stop.first_step:
         record["step_peaks"] = stop.step_peaks
+    if phases is not None and os.environ.get("STARTUP_SMAPS"):
+        record["smaps"] = Path("/proc/self/smaps").read_text()
     if phases is not None:
-        record["phases"] = phases.stop()
+        phases.mark("on_train_start (end of setup)")
+        record["phases"], record["marks"] = phases.stop(), phases.marks
     write_ranks_and_leave(record, args.out)
 
 

@@ -33,7 +33,8 @@ dtypes, chunk sizes and generators):
 Chunk boundaries are multiples of 64 elements (16 for ``normal_``, 64 so vectorized element-wise
 kernels split a chunk where they split the whole tensor), in whole rows of dim 0.
 
-Memory: the rank's region (already allocated) plus one chunk (``chunk_bytes``, rounded to rows).
+Memory: the rank's region (already allocated); plus one chunk (``chunk_bytes``, rounded to rows)
+unless the region is a contiguous block of whole rows (FSDP2's shard alone), computed in place.
 """
 
 from __future__ import annotations
@@ -254,14 +255,66 @@ def fill_region(
     log: InitLog, ref: Ref, start: int, region: Region, out: Tensor, chunk_bytes: int = CHUNK_BYTES
 ) -> bool:
     """Write ``region`` of ``ref``'s recorded value into ``out`` (shape ``region.local_shape``), one
-    row chunk at a time; False (``out`` untouched) if the history is not provably chunkable."""
+    row chunk at a time; False (``out`` untouched) if the history is not provably chunkable.
+
+    Rows ``[a, b)`` whole in every other dimension (FSDP2's dim-0 shard) held in a contiguous
+    ``out`` are computed in ``out`` itself (:func:`fill_rows_in_place`): no chunk buffer at all."""
     steps = plan_steps(log, ref, start)
     if steps is None:
         return False
     numel = math.prod(ref.size)
     if any(s.func is aten.normal_.default for s in steps) and numel < 16:
         return False  # below 16 elements normal_ takes its serial path (a cached second sample)
-    run_chunks(ref, steps, chunk_rows(ref, steps, chunk_bytes), lambda r0, r1, chunk: _keep(region, r0, r1, chunk, out))
+    if region.numel() == 0:
+        return True  # nothing held here (an uneven shard's last rank)
+    if fill_rows_in_place(ref, steps, region, out):
+        return True
+    ranges = chunk_rows(ref, steps, chunk_bytes)
+    last = max(b for a, b in region.ranges[0])
+    # The chunks after the region's last row would only advance a generator no one reads again
+    # (each draw restores its recorded state, on a generator of its own).
+    ranges = [(r0, r1) for r0, r1 in ranges if r0 < last]
+    run_chunks(ref, steps, ranges, lambda r0, r1, chunk: _keep(region, r0, r1, chunk, out))
+    return True
+
+
+def _row_block(ref: Ref, region: Region, out: Tensor) -> tuple[int, int] | None:
+    """``(a, b)`` when ``region`` is rows ``[a, b)`` of dim 0, whole in every other dim, and ``out``
+    holds them contiguously; else None."""
+    if len(region.ranges[0]) != 1 or not out.is_contiguous() or tuple(out.shape) != region.local_shape:
+        return None
+    if any(rs != ((0, size),) for rs, size in zip(region.ranges[1:], ref.size[1:])):
+        return None
+    return region.ranges[0][0]
+
+
+def fill_rows_in_place(ref: Ref, steps: list[Step], region: Region, out: Tensor) -> bool:
+    """Compute rows ``[a, b)`` of the value directly in ``out``; False if the region is not such a
+    block or its bounds do not fall on an aligned element (the caller then goes by chunks).
+
+    The rows before ``a`` are drawn too, so the generator reaches ``a`` where the full draw does
+    (their numbers are discarded): into ``out`` itself, in pieces of at most its size, before its
+    own rows are computed. The rows after ``b`` are not drawn (see :func:`fill_region`). Bounds
+    on multiples of 64 elements keep the draws the full draw's (module docstring); the region
+    must hold >= 64 elements for its own draw and for the pieces before it."""
+    block = _row_block(ref, region, out)
+    if block is None:
+        return False
+    a, b = block
+    row = math.prod(ref.size[1:])
+    e0, e1 = a * row, b * row
+    if e0 % _ALIGN or (b < ref.size[0] and e1 % _ALIGN) or e1 - e0 < _ALIGN:
+        return False
+    flat = out.view(-1)
+    draws = [s for s in steps if s.kind == "draw"]
+    if draws:
+        piece = (e1 - e0) // _ALIGN * _ALIGN
+        with torch.no_grad():
+            for p0 in range(0, e0, piece):
+                p1 = min(p0 + piece, e0)  # a multiple of 64: e0 and piece are
+                _compute(flat[: p1 - p0], p0, p1, draws)
+    with torch.no_grad():
+        _compute(flat, e0, e1, steps)
     return True
 
 
@@ -279,21 +332,27 @@ def run_chunks(
         e0, e1 = r0 * row, r1 * row
         buf = torch.empty(e1 - e0, dtype=ref.dtype)
         with torch.no_grad():
-            for step in steps:
-                if step.kind == "constant":
-                    buf.fill_(step.value)
-                elif step.kind == "draw":
-                    if step.generator is not None:
-                        step.func(buf, *step.args, **step.kwargs, generator=step.generator)
-                    else:
-                        torch.set_rng_state(step.rng)
-                        step.func(buf, *step.args, **step.kwargs)
-                        step.rng = torch.get_rng_state()
-                else:
-                    assert step.view is not None
-                    _on_window(buf, e0, e1, step.view, lambda v, s=step: s.func(v, *s.args, **s.kwargs))
+            _compute(buf, e0, e1, steps)
         keep(r0, r1, buf.view(r1 - r0, *ref.size[1:]))
         del buf
+
+
+def _compute(buf: Tensor, e0: int, e1: int, steps: list[Step]) -> None:
+    """Storage elements ``[e0, e1)`` of the value into ``buf`` (1-D, ``e1 - e0`` elements): each
+    step in turn; a draw continues its generator from where the previous range left it."""
+    for step in steps:
+        if step.kind == "constant":
+            buf.fill_(step.value)
+        elif step.kind == "draw":
+            if step.generator is not None:
+                step.func(buf, *step.args, **step.kwargs, generator=step.generator)
+            else:
+                torch.set_rng_state(step.rng)
+                step.func(buf, *step.args, **step.kwargs)
+                step.rng = torch.get_rng_state()
+        else:
+            assert step.view is not None
+            _on_window(buf, e0, e1, step.view, lambda v, s=step: s.func(v, *s.args, **s.kwargs))
 
 
 def _on_window(buf: Tensor, e0: int, e1: int, view: Geometry, fn: Callable[[Tensor], Any]) -> None:

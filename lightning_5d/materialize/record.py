@@ -13,7 +13,8 @@ state from just before the draw. So (a) the global RNG leaves the build in the s
 eager build leaves it in (``fork_rng`` / ``manual_seed`` inside the user's ``__init__``
 behave as they would), and (b) :mod:`lightning_5d.materialize.replay` can recompute any
 one tensor later, on its own, with the exact values of a single-process eager build on
-CPU: it restores each draw's recorded state. Memory while recording: one tensor's scratch.
+CPU: it restores each draw's recorded state. Memory while recording: one tensor's scratch,
+mapped from the OS for the draw and unmapped after it (:func:`~.heap.scratch_storage`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_5d.materialize.heap import release_freed_memory
+from lightning_5d.materialize.heap import release_freed_memory, scratch_storage
 
 # Calls whose result depends on the generator (matched by name; nn.init's own are listed
 # separately because some of them are deterministic).
@@ -115,7 +116,7 @@ class InitLog:
     """Storages seen while recording (kept alive so their ids stay unique) and the calls, in order."""
 
     def __init__(self) -> None:
-        self.ops: list[Op] = []
+        self.ops: list[Op | None] = []  # None: dropped once every tensor that needs it is materialized
         self.nbytes: dict[int, int] = {}
         self._keys: dict[int, int] = {}
         self._alive: list[Any] = []
@@ -140,6 +141,32 @@ class InitLog:
         self.ops.append(op)
         for key in op.creates | op.writes:
             self.history.setdefault(key, []).append(op.index)
+
+    def inputs(self, key: int) -> set[int]:
+        """The storages ``key``'s recorded value is computed from: itself and, transitively, every
+        storage a call in its history reads."""
+        seen, todo = {key}, [key]
+        while todo:
+            for index in self.history.get(todo.pop(), []):
+                op = self.ops[index]
+                if op is None:
+                    continue
+                flat, _ = tree_flatten((op.args, op.kwargs))
+                for r in flat:
+                    if isinstance(r, Ref) and r.key not in seen:
+                        seen.add(r.key)
+                        todo.append(r.key)
+        return seen
+
+    def drop(self, keys: set[int]) -> None:
+        """Forget the calls that create or write only ``keys`` (their generator states are most of
+        the log's memory). A later replay of a storage that needs them fails loudly: its history
+        is gone (:class:`~.replay.Uninitialized`), it is not silently recomputed without its draws."""
+        for key in keys:
+            for index in self.history.pop(key, []):
+                op = self.ops[index]
+                if op is not None and not (op.creates | op.writes) & self.history.keys():
+                    self.ops[index] = None
 
 
 class InitRecorder(TorchFunctionMode):
@@ -173,18 +200,17 @@ class InitRecorder(TorchFunctionMode):
         def scratch(x: Any) -> Any:
             if not _is_meta(x):
                 return x
-            base = torch.zeros(x.untyped_storage().nbytes(), dtype=torch.uint8, device="cpu")
             view = torch.empty(0, dtype=x.dtype, device="cpu")
-            return view.set_(base.untyped_storage(), x.storage_offset(), x.shape, x.stride())
+            return view.set_(scratch_storage(x.untyped_storage().nbytes()), x.storage_offset(), x.shape, x.stride())
 
         with torch.no_grad():
             if factory:
                 func(*args, **{**kwargs, "device": torch.device("cpu")})
+                # A factory's draw comes from the heap: glibc keeps such freed pages and, with tensors
+                # of many sizes, rarely reuses them (the build's RSS would grow towards the whole model).
+                release_freed_memory()
             else:
                 func(*tree_map(scratch, args), **tree_map(scratch, kwargs))
-        # glibc keeps the freed scratch pages and, with tensors of many sizes, rarely reuses them:
-        # without this the build's peak RSS grows to the whole model (measured: 0.5 B model, 2.8 GB).
-        release_freed_memory()
 
     def _record(self, func, args, kwargs, out, rng, generators, factory: bool) -> None:
         log = self.log

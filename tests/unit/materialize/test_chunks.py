@@ -219,3 +219,40 @@ def test_materialize_in_chunks_equals_the_eager_build_under_a_cut(dim):
     materialize(model, log, refs, torch.device("cpu"), [split], chunk_bytes=256)
     for name, p in model.named_parameters():
         assert torch.equal(p, split.cut(dict(eager.named_parameters())[name])), name
+
+
+def _row_region(shape: tuple[int, ...], a: int, b: int) -> Region:
+    return Region(shape, (((a, b),), *(((0, s),) for s in shape[1:])))
+
+
+def test_whole_rows_are_computed_in_the_shard_itself():
+    """FSDP2's rows on 64-element bounds: the draws before them go through the shard's own memory,
+    those after are skipped, and the values are still the whole tensor's rows."""
+    from lightning_5d.materialize.chunks import fill_rows_in_place
+
+    _model, log, refs = _recorded()
+    replay = Replay(log)
+    cases = {"emb.weight": [(0, 64), (64, 136), (136, 203)], "lin.weight": [(0, 8), (8, 40), (40, 77)],
+             "scaled": [(0, 64), (64, 129)], "ku": [(0, 64)]}  # fmt: skip
+    for name, bounds in cases.items():
+        ref = refs[name]
+        whole = replay.value(ref)
+        steps = lambda: plan_steps(log, ref, replay.start(ref.key))  # noqa: E731 (fresh generator states each time)
+        for a, b in bounds:
+            region = _row_region(tuple(ref.size), a, b)
+            out = torch.full(region.local_shape, float("nan"), dtype=ref.dtype)
+            assert fill_rows_in_place(ref, steps(), region, out), (name, a, b)
+            assert torch.equal(out, whole[a:b]), (name, a, b)
+    # Bounds off the 64-element grid (emb rows are 24 elements) go by chunks, untouched here.
+    ref = refs["emb.weight"]
+    out = torch.full((68, 24), float("nan"))
+    assert not fill_rows_in_place(ref, plan_steps(log, ref, replay.start(ref.key)), _row_region((203, 24), 68, 136), out)
+    assert out.isnan().all()
+
+
+def test_materialize_drops_the_record_as_it_fills():
+    """Every recorded call is forgotten once the tensors needing it are filled (a copy's source
+    included: 'copied' reads 'ones', filled in either order)."""
+    model, log, refs = _recorded()
+    materialize(model, log, refs, torch.device("cpu"), [], chunk_bytes=256)
+    assert all(op is None for op in log.ops) and not log.history
