@@ -7,6 +7,7 @@ tensor once its piece is cut); it sits below both so neither imports the other f
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 
 import torch
@@ -15,10 +16,19 @@ import torch
 def release_freed_memory() -> None:
     """Give the full tensors' freed pages back to the OS (glibc keeps freed heap memory below
     its mmap threshold, ~32 MiB, for reuse: per-rank RSS would otherwise stay near the peak)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    # Looked up once: a CDLL object per call (the verifier calls this after every piece) left
+    # ctypes' reference cycles for the garbage collector each time.
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):  # not glibc: nothing to trim, or the allocator returns pages itself
-        pass
+        return None
 
 
 def scratch_storage(nbytes: int) -> torch.UntypedStorage:
