@@ -323,9 +323,10 @@ def run_chunks(
 ) -> None:
     """Compute each row range of the value in turn and hand it to ``keep(r0, r1, chunk)``.
 
-    Every range is drawn, needed or not, so each draw's generator ends where the full draw
-    leaves it. The global generator's state is restored before and saved after each draw, so
-    several draws interleave without disturbing each other.
+    Every range given is drawn, kept or not, so each draw reaches the next range where the full
+    draw does (the caller may leave out the ranges after the last one it keeps: each draw's
+    generator is its own, :func:`fill_region`). The global generator's state is restored before
+    and saved after each draw, so several draws interleave without disturbing each other.
     """
     row = math.prod(ref.size[1:])
     for r0, r1 in ranges:
