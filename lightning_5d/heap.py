@@ -1,7 +1,9 @@
 """Keep throw-away tensors from leaving resident pages behind in the C heap.
 
-Used by :mod:`.record` (scratch tensors of the recorded draws) and :mod:`.apply` (each full
-tensor once its piece is cut); it sits below both so neither imports the other for it.
+Used by the meta build (:mod:`.materialize.record`: scratch tensors of the recorded draws;
+:mod:`.materialize.apply`: each full tensor once its piece is cut), the plan verifier (each piece's
+gathered weights once compared) and the pipeline (a unit left gathered by a stopped forward). It
+imports nothing of the project, so none of them imports another's package for it.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 See :mod:`.record` (what the build records), :mod:`.replay` (one tensor's full value, exact
 to a single-process CPU build), :mod:`.chunks` (the same value in row chunks, keeping the
 rank's region), :mod:`.apply` (capture before the dimensions, materialize
-after them), :mod:`.build` (the strategy's handle) and :mod:`.heap` (freed pages back to the OS).
+after them) and :mod:`.build` (the strategy's handle); freed pages go back to the OS through
+:mod:`lightning_5d.heap`.
 """
 
 from lightning_5d.materialize.apply import MaterializeError, has_meta

@@ -14,7 +14,7 @@ eager build leaves it in (``fork_rng`` / ``manual_seed`` inside the user's ``__i
 behave as they would), and (b) :mod:`lightning_5d.materialize.replay` can recompute any
 one tensor later, on its own, with the exact values of a single-process eager build on
 CPU: it restores each draw's recorded state. Memory while recording: one tensor's scratch,
-mapped from the OS for the draw and unmapped after it (:func:`~.heap.scratch_storage`).
+mapped from the OS for the draw and unmapped after it (:func:`lightning_5d.heap.scratch_storage`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_5d.materialize.heap import release_freed_memory, scratch_storage
+from lightning_5d.heap import release_freed_memory, scratch_storage
 
 # Calls whose result depends on the generator (matched by name; nn.init's own are listed
 # separately because some of them are deterministic).

@@ -26,7 +26,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from lightning_5d.module_mode import eval_mode
 from lightning_5d.config import ParallelConfig, VerifyMode, ZeroStage
-from lightning_5d.materialize.heap import release_freed_memory
+from lightning_5d.heap import release_freed_memory
 from lightning_5d.parallel.pipeline import PipelineMode
 from lightning_5d.parallel.pipeline.fsdp import drop_held_gradients
 from lightning_5d.plan import discover

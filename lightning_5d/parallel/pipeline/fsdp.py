@@ -16,7 +16,7 @@ from typing import Sequence
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from lightning_5d.materialize.heap import release_freed_memory
+from lightning_5d.heap import release_freed_memory
 
 
 def adopt_stage_units(units: Sequence[FSDPModule]) -> None:
