@@ -29,7 +29,8 @@ QUICK_MODEL = {**MODEL, "num_layers": 4, "hidden_size": 768, "intermediate_size"
 VARIANTS = [
     ("lightning_meta_fsdp", "Lightning `ModelParallelStrategy`, `init_module(empty_init=True)` + `fully_shard`"),
     ("ours_eager_zero3", "`FiveDStrategy(zero=3)`, model built in `__init__`"),
-    ("ours_meta_zero3", "`FiveDStrategy(zero=3)`, `init_module(empty_init=True)`"),
+    ("ours_meta_zero3", "`FiveDStrategy(zero=3)` (default `verify='auto'`), `init_module(empty_init=True)`"),
+    ("ours_meta_zero3_verify_blocks", "`FiveDStrategy(zero=3, verify='blocks')`, `init_module(empty_init=True)`"),
     ("ours_meta_zero3_verify_off", "`FiveDStrategy(zero=3, verify='off')`, `init_module(empty_init=True)`"),
     ("ours_eager_tp2_zero3_old", "`FiveDStrategy(tp=2, zero=3)`, eager, tp references kept (before the fix)"),
     ("ours_eager_tp2_zero3", "`FiveDStrategy(tp=2, zero=3)`, eager"),
@@ -38,7 +39,7 @@ VARIANTS = [
     # Through the first training step: one-parameter units gathered in place (ours) or by FSDP2;
     # with the verifier on, whether its start-up peak is ever the job's.
     ("lightning_meta_fsdp_step", "Lightning `ModelParallelStrategy`, first step"),
-    ("ours_meta_zero3_step", "`FiveDStrategy(zero=3)`, first step"),
+    ("ours_meta_zero3_verify_blocks_step", "`FiveDStrategy(zero=3, verify='blocks')`, first step"),
     ("ours_meta_zero3_verify_off_step", "`FiveDStrategy(zero=3, verify='off')`, first step, gathered in place"),
     ("ours_meta_zero3_verify_off_step_fsdp_gather",
      "`FiveDStrategy(zero=3, verify='off')`, first step, FSDP2's own gather"),

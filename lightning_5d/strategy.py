@@ -77,7 +77,7 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
         keep_last_k: int | None = None,
         pretrained: str | os.PathLike | None = None,
         pretrained_prefix: str | None = None,
-        verify: str | VerifyMode = VerifyMode.BLOCKS,
+        verify: str | VerifyMode = VerifyMode.AUTO,
         *,
         config: ParallelConfig | None = None,
         process_group_backend: str | None = None,

@@ -37,7 +37,7 @@ from lightning_5d.verify.compare import tolerance_for
 from lightning_5d.verify.gather import ActivationLayout, HeldTensors, full_weights
 from lightning_5d.verify.grads import first_tensor as _first_tensor
 from lightning_5d.verify.grads import reference_grads, trainable_names
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_5d.verify.probe import (
     ProbeError,
@@ -94,12 +94,20 @@ class PlanCheck:
     def before(cls, module: nn.Module, plan: ModelPlan | None, config: ParallelConfig, rewrites: bool) -> "PlanCheck":
         """Copies of the pieces, if the layout changes how the model computes and the check is on.
 
-        ``rewrites``: whether tp, cp, pp, ep/expert dispatch or FP8 will be applied; ZeRO-3
-        (FSDP2 replaces parameters and wraps forwards) counts too. ZeRO-0..2 alone leave the
+        ``rewrites``: whether tp, cp, pp, ep/expert dispatch or FP8 will be applied. ZeRO-3 alone
+        (FSDP2 replaces parameters and wraps forwards, but each piece runs its own code) is checked
+        only when asked for (``blocks``/``outputs``), not by ``auto``. ZeRO-0..2 alone leave the
         forward untouched: nothing to prove.
         """
-        wanted = config.verify != VerifyMode.OFF and (rewrites or config.zero == ZeroStage.PARAMETERS)
+        asked = config.verify in (VerifyMode.BLOCKS, VerifyMode.OUTPUTS)
+        wanted = (rewrites and config.verify != VerifyMode.OFF) or (asked and config.zero == ZeroStage.PARAMETERS)
         if not wanted:
+            if config.verify == VerifyMode.AUTO and config.zero == ZeroStage.PARAMETERS:
+                rank_zero_info(
+                    "[lightning_5d] plan verifier: not run under ZeRO-3 alone (each piece runs its own code on "
+                    "gathered weights; the check would gather the largest tensor at start-up). "
+                    "verify='blocks' runs it."
+                )
             return cls([], plan, config)
         if plan is None:  # ZeRO-3 alone needs no plan; the check needs one to know what to call
             try:
@@ -150,7 +158,7 @@ class PlanCheck:
             )
             return None
         held = self._held_pieces(module, ep, pp is not None, report)
-        grads = self.config.verify == VerifyMode.BLOCKS  # gradients too (grads.py), each piece run again
+        grads = self.config.verify != VerifyMode.OUTPUTS  # gradients too (grads.py), each piece run again
         recorder = Recorder()
         for piece, live in held:
             recorder.watch(piece.path, live, inputs=True)

@@ -14,7 +14,8 @@ import pytest
 from tests_support import SCRIPTS, run_distributed
 
 # Correct layouts are also checked by every other multi-process test: the verifier is on by
-# default, so each of their setups must pass it. Here the fast tier breaks plans on purpose;
+# default wherever tp, cp, pp, ep or FP8 rewrite the forward, so each of their setups must pass it
+# (ZeRO-3 alone only when asked: the "zero3" case). Here the fast tier breaks plans on purpose;
 # the SP case also shows blocks and head passing next to the wrong embedding.
 # The ZeRO-3 and container cases break a gradient sum and a container block's sub-layer; the
 # pieces next to them (other gradients, the other sub-layer) pass in the same run.

@@ -63,7 +63,7 @@ parser.add_argument(
     choices=["eager", "meta", "configure"],
     help="eager: in __init__; meta: under trainer.init_module(empty_init=True); configure: in configure_model",
 )
-parser.add_argument("--verify", default="blocks", choices=["blocks", "off"])
+parser.add_argument("--verify", default="auto", choices=["auto", "blocks", "off"])
 parser.add_argument("--chunk-bytes", type=int, default=None,
                     help="meta builds: recompute tensors above this many bytes in row chunks of this size")
 parser.add_argument("--pretrained", default=None, help="FiveDStrategy(pretrained=...); loaded.pt: the state it loaded")

@@ -69,10 +69,10 @@ def test_message_names_piece_first_and_worst_output_and_the_way_out():
 
 
 def test_verify_setting_is_an_enum_with_a_clear_error():
-    assert ParallelConfig().verify == VerifyMode.BLOCKS
+    assert ParallelConfig(verify="blocks").verify == VerifyMode.BLOCKS
     assert ParallelConfig(verify="off").verify == VerifyMode.OFF
     assert ParallelConfig(verify="outputs").verify == VerifyMode.OUTPUTS
-    with pytest.raises(LayoutError, match=r"verify=True is not valid.*'blocks', 'outputs', 'off'"):
+    with pytest.raises(LayoutError, match=r"verify=True is not valid.*'auto', 'blocks', 'outputs', 'off'"):
         ParallelConfig(verify=True)
 
 
