@@ -51,7 +51,7 @@ from lightning_5d.verify.probe import (
 )
 from lightning_5d.verify.probe_memory import drop_kept_gather, probe_settings
 from lightning_5d.verify.rerun import ParallelGrads, unit_owners
-from lightning_5d.verify.shard_compare import shard_differences
+from lightning_5d.verify.shard_compare import keep_rank_parts, shard_differences
 from lightning_5d.verify.skeleton import Piece, PieceKind, materialize, take_skeleton, tensor_names
 
 
@@ -347,8 +347,10 @@ class PlanCheck:
             # threshold) go back first: on the 0.5 B model's head ~20 MiB, under each backward.
             release_freed_memory()
             ref_grads = reference_grads(reference, names, _first_tensor(ref_out))
-            # The full weights and the graph are done with: only the gradients stay for the comparison.
+            # The full weights and the graph are done with: only the gradients stay for the
+            # comparison, of a parameter tp cut only the part this rank's shard is compared with.
             del reference, ref_out
+            keep_rank_parts(ref_grads, piece.path, tp)
             inner_recorder.records.clear()
             release_freed_memory()
             par_grads = grads.of(live, piece.path, record.args, record.kwargs, names)

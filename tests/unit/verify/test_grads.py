@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_5d.config import ActivationCheckpointing
 from lightning_5d.parallel.activation_checkpoint import apply_activation_checkpointing
-from lightning_5d.verify.grads import cotangent, local_grads, reference_grads, trainable_names
+from lightning_5d.verify.grads import cotangent, local_grads, reference_grads, release_unsaved_weights, trainable_names
 from lightning_5d.verify.rerun import ParallelGrads, rerun, unit_owners
 
 
@@ -38,6 +38,71 @@ def test_gradients_are_taken_for_the_pieces_own_parameters_only():
     for name, grad in zip(names, grads):
         torch.testing.assert_close(grad, again[name])
     assert grads[0].abs().sum() > 0
+
+
+class Head(nn.Module):
+    """A final norm and head in one piece: the head's input needs a gradient (the norm's
+    weight), so its weight is saved, and so are the norm's; only the head's bias is not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.proj = nn.LayerNorm(8), nn.Linear(8, 32)
+
+    def forward(self, x):
+        return self.proj(self.norm(x))
+
+
+class Scale(torch.autograd.Function):
+    """Keeps its weight on ctx, outside save_for_backward: autograd cannot show it."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.w = w
+        ctx.save_for_backward(x)
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * ctx.w, (g * x).sum(0)
+
+
+class CustomScaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.w = nn.Linear(8, 8), nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        return self.proj(Scale.apply(x, self.w))
+
+
+@pytest.mark.parametrize(
+    ("piece", "inputs", "released"),
+    [
+        (nn.Linear(8, 32, bias=False), torch.randn(3, 8), ["weight"]),  # an untied head: ∂L/∂W = cᵀh
+        (nn.Embedding(32, 8), torch.randint(0, 32, (3,)), ["weight"]),  # a scatter of the cotangent
+        (Head(), torch.randn(3, 8), ["proj.bias"]),
+        (CustomScaled(), torch.randn(3, 8), []),  # a Python Function's ctx could hold anything
+    ],
+)
+def test_the_reference_backward_frees_only_the_weights_its_graph_does_not_save(piece, inputs, released):
+    torch.manual_seed(0)
+    names = trainable_names(piece)
+    expected = dict(zip(names, local_grads(piece(inputs), [dict(piece.named_parameters())[n] for n in names])))
+    sizes = {n: p.numel() for n, p in piece.named_parameters()}
+    grads = reference_grads(piece, names, piece(inputs))
+    assert [n for n, p in piece.named_parameters() if p.numel() == 0 and sizes[n]] == released
+    for name in names:  # equal to the backward that kept every weight, at the parameter's shape
+        torch.testing.assert_close(grads[name], expected[name], rtol=0, atol=0)
+
+
+def test_the_release_counts_the_bytes_it_freed():
+    head = nn.Linear(8, 32, bias=False)
+    out = head(torch.randn(3, 8))
+    assert release_unsaved_weights(head, out) == 8 * 32 * 4
+    assert release_unsaved_weights(head, out) == 0  # already empty
+    custom = CustomScaled()
+    assert release_unsaved_weights(custom, custom(torch.randn(3, 8))) == 0
 
 
 class Block(nn.Module):

@@ -8,7 +8,7 @@ import torch
 from lightning_5d.parallel.tensor.sharding import TensorShard
 from lightning_5d.verify import compare
 from lightning_5d.verify.compare import GapSums, difference
-from lightning_5d.verify.shard_compare import shard_differences, shard_sums
+from lightning_5d.verify.shard_compare import RankPart, keep_rank_parts, part_sums, shard_differences, shard_sums
 
 
 def _whole(parallel, reference):
@@ -86,3 +86,28 @@ def test_without_tp_each_gradient_is_compared_whole_and_the_reference_freed():
     assert found["b"].relative == pytest.approx(0.5)
     assert math.isinf(shard_differences({"w": torch.zeros(3)}, {"w": torch.zeros(4)}, "", None)["w"].relative)
     assert shard_differences(local, None, "layers.0", None) is None  # the reference could not run
+
+
+class _OneRankOfTp2:
+    """What shard_compare reads of the tp dimension: rank 1 of 2, one parameter cut."""
+
+    rank, size = 1, 2
+    shards = {"head.weight": TensorShard(0, (8, 4, 4))}
+
+    def is_sharded(self, name):
+        return name in self.shards
+
+
+def test_the_rank_keeps_only_its_part_of_a_cut_gradient_and_measures_the_same():
+    torch.manual_seed(0)
+    tp = _OneRankOfTp2()
+    full = {"weight": torch.randn(16, 8), "bias": torch.randn(16)}  # bias: held whole
+    local = tp.shards["head.weight"].take(full["weight"], 1, 2) + 1e-3
+    parts = dict(full)
+    keep_rank_parts(parts, "head", tp)
+    assert isinstance(parts["weight"], RankPart) and parts["weight"].part.shape == (8, 8)
+    assert parts["bias"] is full["bias"]  # not cut: compared whole
+    assert part_sums(local, parts["weight"], 1).result() == shard_sums(local, full["weight"], tp.shards["head.weight"],
+                                                                       1, 2).result()  # fmt: skip
+    note = part_sums(torch.zeros(6, 8), parts["weight"], 1)
+    assert note == "shape (6, 8) on tp rank 1 where the model's (16, 8), cut by tp, gives (8, 8)"
