@@ -9,7 +9,8 @@ optimizer step (forward + backward) and through it; ``_fsdp_gather``: with FSDP2
 of the one-parameter units instead of ours in place (parallel/data/gather_in_place.py).
 With ``--phases`` also each phase's peak and, at
 each phase boundary, RSS, its file pages and glibc's heap; with ``STARTUP_SMAPS=1`` as well, each
-rank's /proc/self/smaps at ``on_train_start`` (which mappings hold the pages). With
+rank's /proc/self/smaps and threads at ``on_train_start`` (which mappings hold the pages), and at
+each phase boundary the interpreter's small-object pools (``sys._debugmallocstats``: in use, free). With
 ``STARTUP_OBJECTS=DIR`` (a diagnostic: it traces every Python allocation, so its RSS figures are not
 the benchmark's), rank 0 writes into DIR what Python allocated between the baseline and
 ``on_train_start`` and still holds there (tracemalloc, by file and by traceback), the change in
