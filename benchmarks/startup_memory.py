@@ -167,18 +167,20 @@ def phase_table(result: dict) -> str:
 
 def mark_table(result: dict) -> str:
     """RSS, of it mapped files (code), and glibc's heap (in use, free but kept) above the baseline at
-    each phase boundary, per rank (MiB)."""
+    each phase boundary, per rank (MiB); with ``STARTUP_SMAPS=1`` also the interpreter's small-object
+    pools (in use, free but kept)."""
     ranks = result["ranks"]
     base = [r["marks"][0] for r in ranks]
-    lines = ["| boundary | " + " | ".join(f"rank {i} RSS / files / heap in use / heap free" for i in range(len(ranks)))
-             + " |",
+    keys = ("rss", "file", "in_use", "free") + (("py_used", "py_free") if "py_used" in base[0] else ())
+    title = "RSS / files / heap in use / heap free" + (" / py in use / py free" if "py_used" in base[0] else "")
+    lines = ["| boundary | " + " | ".join(f"rank {i} {title}" for i in range(len(ranks))) + " |",
              "|---|" + "---:|" * len(ranks)]  # fmt: skip
 
     def mib(mark: dict, b: dict, key: str) -> str:
         return f"{(mark.get(key, 0) - b.get(key, 0)) / 2**20:+,.1f}" if key in mark else "-"
 
     for i in range(min(len(r["marks"]) for r in ranks)):
-        cells = [" / ".join(mib(r["marks"][i], b, k) for k in ("rss", "file", "in_use", "free")) for r, b in zip(ranks, base)]
+        cells = [" / ".join(mib(r["marks"][i], b, k) for k in keys) for r, b in zip(ranks, base)]
         lines.append(f"| {ranks[0]['marks'][i]['label']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -9,7 +9,12 @@ optimizer step (forward + backward) and through it; ``_fsdp_gather``: with FSDP2
 of the one-parameter units instead of ours in place (parallel/data/gather_in_place.py).
 With ``--phases`` also each phase's peak and, at
 each phase boundary, RSS, its file pages and glibc's heap; with ``STARTUP_SMAPS=1`` as well, each
-rank's /proc/self/smaps at ``on_train_start`` (which mappings hold the pages).
+rank's /proc/self/smaps and threads at ``on_train_start`` (which mappings hold the pages), and at
+each phase boundary the interpreter's small-object pools (``sys._debugmallocstats``: in use, free). With
+``STARTUP_OBJECTS=DIR`` (a diagnostic: it traces every Python allocation, so its RSS figures are not
+the benchmark's), rank 0 writes into DIR what Python allocated between the baseline and
+``on_train_start`` and still holds there (tracemalloc, by file and by traceback), the change in
+live objects by type, and glibc's ``malloc_info`` (its free chunks by size) at ``on_train_start``.
 """
 
 import argparse
@@ -55,6 +60,8 @@ class StopBeforeStep(L.Callback):
     def on_train_start(self, trainer, pl_module):
         self.peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         self.rss_at_start = rss_bytes()
+        if OBJECTS is not None:
+            OBJECTS.at_train_start()
         if not self.first_step:
             trainer.should_stop = True
             return
@@ -68,6 +75,33 @@ class StopBeforeStep(L.Callback):
         if self.first_step and "step" not in self.step_peaks:
             self.step_peaks["step"] = rss_bytes("VmHWM")
             trainer.should_stop = True
+
+
+def pymalloc_stats() -> dict[str, int]:
+    """The interpreter's small-object allocator (``sys._debugmallocstats``): arenas, bytes in live
+    blocks, free blocks in used pools, whole free pools (resident once touched)."""
+    import tempfile
+
+    with tempfile.TemporaryFile() as f:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(f.fileno(), 2)
+        try:
+            sys._debugmallocstats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        f.seek(0)
+        text = f.read().decode()
+    wanted = {"# arenas allocated current": "arenas", "bytes in allocated blocks": "allocated",
+              "bytes in available blocks": "available", "unused pools * 16384 bytes": "unused_pools",
+              "bytes lost to pool headers": "pool_headers", "bytes lost to quantization": "quantization"}  # fmt: skip
+    out = {}
+    for line in text.splitlines():
+        for prefix, key in wanted.items():
+            if prefix in line:
+                out[key] = int(line.split("=")[-1].replace(",", "").strip())
+    return out
 
 
 class MallInfo2(ctypes.Structure):
@@ -126,7 +160,11 @@ class PhaseRSS:
         setattr(owner, name, wrapped)
 
     def mark(self, label: str) -> None:
-        self.marks.append({"label": label, "rss": rss_bytes(), "file": rss_bytes("RssFile"), **heap_info()})
+        mark = {"label": label, "rss": rss_bytes(), "file": rss_bytes("RssFile"), **heap_info()}
+        if os.environ.get("STARTUP_SMAPS"):  # and the interpreter's small-object pools
+            py = pymalloc_stats()
+            mark.update(py_used=py["allocated"], py_free=py["available"] + py["unused_pools"])
+        self.marks.append(mark)
 
     def stop(self) -> dict[str, int]:
         self._stop.set()
@@ -228,6 +266,84 @@ def trace_probe_modules(phases: PhaseRSS, check) -> None:
         setattr(pg.FSDPParamGroup, method, wrapped)
 
 
+class HeldObjects:
+    """``STARTUP_OBJECTS=DIR``: what Python objects the start-up leaves alive (see the module docstring)."""
+
+    def __init__(self, out: str, variant: str):
+        import gc
+        import tracemalloc
+
+        self.out, self.variant = Path(out), variant
+        tracemalloc.start(30)
+        gc.collect()
+        self.types = self._types()
+        self.snapshot = tracemalloc.take_snapshot()
+
+    def _by_caller(self, now, title: str) -> list[str]:
+        """Bytes held now that were allocated after the baseline, by the innermost frame in this
+        repository's code and the innermost frame (tracemalloc lists frames oldest first)."""
+        import collections
+
+        root = str(Path(lightning_5d.__file__).parent.parent)
+
+        def where(trace) -> str:
+            frames = trace.traceback
+            ours = [f for f in frames if f.filename.startswith(root)]
+            inner = str(frames[-1])
+            return inner if not ours or ours[-1] is frames[-1] else f"{ours[-1]} -> {inner}"
+
+        by, count = collections.Counter(), collections.Counter()
+        for sign, snapshot in ((1, now), (-1, self.snapshot)):
+            for trace in snapshot.traces:
+                w = where(trace)
+                by[w] += sign * trace.size
+                count[w] += sign
+        lines = [f"== {title}: total {sum(by.values()) / 2**20:+.3f} MiB"]
+        lines += [f"{n / 1024:+10.1f} KiB {count[w]:+7d} blocks  {w}" for w, n in by.most_common(60) if n > 0]
+        return lines
+
+    @staticmethod
+    def _types() -> dict[str, int]:
+        import collections
+        import gc
+
+        return collections.Counter(type(o).__qualname__ for o in gc.get_objects())
+
+    def at_train_start(self) -> None:
+        import gc
+        import tracemalloc
+
+        now = tracemalloc.take_snapshot()
+        types = self._types()
+        if int(os.environ.get("RANK", "0")) != 0:
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        lines = []
+        for key in ("filename", "traceback"):
+            diff = now.compare_to(self.snapshot, key)
+            total = sum(d.size_diff for d in diff)
+            lines.append(f"== by {key}: total {total / 2**20:+.3f} MiB")
+            for d in diff[:60 if key == "filename" else 40]:
+                lines.append(f"{d.size_diff / 1024:+10.1f} KiB {d.count_diff:+7d} blocks")
+                frames = d.traceback.format()[-16:] if key == "traceback" else [str(d.traceback[0])]
+                lines += ["      " + f for f in frames]
+        lines += self._by_caller(now, "allocated under (innermost frame of the project or the worker)")
+        gc.collect()  # after the figures above: what of it was garbage in reference cycles
+        lines += self._by_caller(tracemalloc.take_snapshot(), "the same after gc.collect() (live, not garbage)")
+        changed = {t: types.get(t, 0) - self.types.get(t, 0) for t in set(types) | set(self.types)}
+        lines.append("== live objects by type (gc-tracked), change")
+        lines += [f"{n:+8d} {t}" for t, n in sorted(changed.items(), key=lambda kv: -abs(kv[1]))[:60] if n]
+        (self.out / f"{self.variant}.objects.txt").write_text("\n".join(lines))
+        libc = ctypes.CDLL("libc.so.6")
+        libc.fopen.restype = ctypes.c_void_p
+        stream = libc.fopen(str(self.out / f"{self.variant}.malloc_info.xml").encode(), b"w")
+        libc.malloc_info(0, ctypes.c_void_p(stream))
+        libc.fclose(ctypes.c_void_p(stream))
+
+
+OBJECTS: HeldObjects | None = None
+
+
 def keep_tp_references() -> None:
     """The behaviour before the fix: TensorParallel kept every tp-local tensor it made."""
     cut = TensorParallel._apply
@@ -250,6 +366,9 @@ def main() -> None:
     args = parser.parse_args()
     config = LlamaConfig(**json.loads(args.model))
     phases = watch_phases() if args.phases else None
+    if os.environ.get("STARTUP_OBJECTS"):
+        global OBJECTS
+        OBJECTS = HeldObjects(os.environ["STARTUP_OBJECTS"], args.variant)
     baseline = rss_bytes()
     if phases is not None:
         phases.mark("baseline")
@@ -295,6 +414,9 @@ def main() -> None:
         record["step_peaks"] = stop.step_peaks
     if phases is not None and os.environ.get("STARTUP_SMAPS"):
         record["smaps"] = Path("/proc/self/smaps").read_text()
+        record["pymalloc"] = pymalloc_stats()
+        record["threads"] = sorted(Path(f"/proc/self/task/{t}/comm").read_text().strip()
+                                   for t in os.listdir("/proc/self/task"))  # fmt: skip
     if phases is not None:
         phases.mark("on_train_start (end of setup)")
         record["phases"], record["marks"] = phases.stop(), phases.marks

@@ -158,6 +158,9 @@ def materialize(
     state = module.state_dict(keep_vars=True)
     persistent = [k for k, v in state.items() if isinstance(v, Tensor) and v.is_meta]
     buffers = [n for n, b in module.named_buffers() if b.is_meta and n.replace(_WRAPPED, "") not in state]
+    # Only the names were needed: freed before _apply makes the rank's long-lived tensors, so its
+    # many small objects do not sit between them in the interpreter's pools once freed.
+    del state
     shared = _shared_parameters(module)
     module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
     _retie(shared)

@@ -46,9 +46,9 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_5d.materialize.record import EMPTY_CREATIONS, InitLog, Op, Ref
+from lightning_5d.materialize.trees import leaves, map_leaves
 from lightning_5d.parallel.regions import Region
 
 CHUNK_BYTES = 2**20  # 1 MiB: the overhead above the share; the draws cost the same in any chunking
@@ -142,12 +142,12 @@ def _lower(op: Op, ref: Ref, numel: int, creates: bool) -> list[Step]:
                 raise _NotChunkable  # reads another storage, or reinterprets this one
             return torch.empty(0, dtype=x.dtype, device="meta").set_(storage, x.offset, x.size, x.stride)
         if isinstance(x, torch.Generator):
-            if id(x) not in op.generators:
+            if op.generators is None or id(x) not in op.generators:
                 raise _NotChunkable
             return marker
         return x
 
-    args, kwargs = tree_map(stand_in, op.args), tree_map(stand_in, op.kwargs)
+    args, kwargs = map_leaves(stand_in, op.args), map_leaves(stand_in, op.kwargs)
     if op.factory:
         kwargs["device"] = torch.device("meta")
     calls = _Calls()
@@ -158,10 +158,10 @@ def _lower(op: Op, ref: Ref, numel: int, creates: bool) -> list[Step]:
         raise
     except Exception as err:  # a call meta cannot run (reads values, asks for data): not chunkable
         raise _NotChunkable from err
-    if len(op.generators) > 1:
+    if op.generators is not None and len(op.generators) > 1:
         raise _NotChunkable
     explicit = None
-    for state in op.generators.values():  # restored once: the chunks' draws continue its stream
+    for state in (op.generators or {}).values():  # restored once: the chunks' draws continue its stream
         explicit = torch.Generator()
         explicit.set_state(state)
     steps: list[Step] = []
@@ -222,7 +222,7 @@ def _factory(func: Any, args: tuple, kwargs: dict, out: Any, ref: Ref, numel: in
 
 
 def _tensor_in(rest: tuple[tuple, dict]) -> bool:
-    flat, _ = tree_flatten(rest)
+    flat = leaves(rest)
     return any(isinstance(x, Tensor) for x in flat)
 
 

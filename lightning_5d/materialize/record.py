@@ -22,15 +22,15 @@ from __future__ import annotations
 import functools
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_5d.heap import release_freed_memory, scratch_storage
+from lightning_5d.heap import MappedCopies, release_freed_memory, scratch_storage
+from lightning_5d.materialize.trees import leaves, map_leaves
 
 # Calls whose result depends on the generator (matched by name; nn.init's own are listed
 # separately because some of them are deterministic).
@@ -68,7 +68,7 @@ def _is_meta(x: Any) -> bool:
     return isinstance(x, Tensor) and x.is_meta
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Ref:
     """A meta tensor as (recorded storage, view geometry): enough to rebuild it on a real storage."""
 
@@ -91,7 +91,7 @@ class Ref:
         return self.offset == 0 and contiguous and numel * self.dtype.itemsize == nbytes
 
 
-@dataclass
+@dataclass(slots=True)
 class Op:
     """One recorded call; tensors in ``args`` / ``kwargs`` are :class:`Ref` (meta) or kept as constants."""
 
@@ -99,13 +99,16 @@ class Op:
     func: Callable
     args: tuple
     kwargs: dict
-    outs: list[Ref | None]  # the flattened result's meta tensors (None for anything else)
-    creates: frozenset[int]  # storages first seen in the result
-    writes: frozenset[int]  # storages changed in place
-    overwrites: frozenset[int]  # storages changed in place over their whole extent
+    outs: tuple[Ref | None, ...]  # the flattened result's meta tensors (None for anything else)
+    # Storage keys as tuples, not sets (a set of one key is 216 bytes, a tuple 48): the log holds one
+    # call per draw and fill (409 for the 0.5 B reference model), and the pools its small objects
+    # took stay resident after it is freed (benchmarks/RESULTS.md "gap2").
+    creates: tuple[int, ...]  # storages first seen in the result
+    writes: tuple[int, ...]  # storages changed in place
+    overwrites: tuple[int, ...]  # storages changed in place over their whole extent
     factory: bool  # no tensor argument: replayed with device= set
     rng: Tensor | None = None  # CPU generator state just before a random call
-    generators: dict[int, Tensor] = field(default_factory=dict)  # explicit generator= : its state
+    generators: dict[int, Tensor] | None = None  # explicit generator= : its state (None: no explicit one)
 
     @property
     def name(self) -> str:
@@ -121,6 +124,10 @@ class InitLog:
         self._keys: dict[int, int] = {}
         self._alive: list[Any] = []
         self.history: dict[int, list[int]] = {}  # storage key -> indices of ops that create or write it
+        self._shapes: dict[tuple[int, ...], tuple[int, ...]] = {}  # one tuple per distinct size / stride
+        self._refs: dict[Ref, Ref] = {}  # one Ref per distinct view (calls name the same tensor many times)
+        # The generator states of the random calls, off the C heap (see MappedCopies for why).
+        self.states = MappedCopies()
 
     def key_of(self, t: Tensor) -> int | None:
         return self._keys.get(t.untyped_storage()._cdata)
@@ -135,11 +142,16 @@ class InitLog:
             self._keys[storage._cdata] = key
             self.nbytes[key] = storage.nbytes()
             self._alive.append(storage)
-        return Ref(key, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+        ref = Ref(key, self.shape(tuple(t.shape)), self.shape(t.stride()), t.storage_offset(), t.dtype)
+        return self._refs.setdefault(ref, ref)
+
+    def shape(self, dims: tuple[int, ...]) -> tuple[int, ...]:
+        """``dims``, as the one tuple of these values the log keeps (every block records the same shapes)."""
+        return self._shapes.setdefault(dims, dims)
 
     def add(self, op: Op) -> None:
         self.ops.append(op)
-        for key in op.creates | op.writes:
+        for key in dict.fromkeys(op.creates + op.writes):
             self.history.setdefault(key, []).append(op.index)
 
     def inputs(self, key: int) -> set[int]:
@@ -151,7 +163,7 @@ class InitLog:
                 op = self.ops[index]
                 if op is None:
                     continue
-                flat, _ = tree_flatten((op.args, op.kwargs))
+                flat = leaves((op.args, op.kwargs))
                 for r in flat:
                     if isinstance(r, Ref) and r.key not in seen:
                         seen.add(r.key)
@@ -165,7 +177,7 @@ class InitLog:
         for key in keys:
             for index in self.history.pop(key, []):
                 op = self.ops[index]
-                if op is not None and not (op.creates | op.writes) & self.history.keys():
+                if op is not None and not any(k in self.history for k in op.creates + op.writes):
                     self.ops[index] = None
 
 
@@ -178,15 +190,16 @@ class InitRecorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        flat_in, _ = tree_flatten((args, kwargs))
+        flat_in = leaves((args, kwargs))
         tensors_in = [x for x in flat_in if isinstance(x, Tensor)]
-        rng, generators = None, {}
+        rng, generators = None, None
         factory = not tensors_in
         # Only a draw that lands on the meta device is skipped by torch: a real (CPU) one draws itself.
         lands_on_meta = any(_is_meta(x) for x in tensors_in) or (factory and _meta_device(kwargs.get("device")))
         if is_random(func) and lands_on_meta:
-            rng = torch.get_rng_state()
-            generators = {id(g): g.get_state() for g in flat_in if isinstance(g, torch.Generator)}
+            states = self.log.states
+            rng = states.copy(torch.get_rng_state())
+            generators = {id(g): states.copy(g.get_state()) for g in flat_in if isinstance(g, torch.Generator)} or None
             self._draw_on_scratch(func, args, kwargs, factory=factory)
         out = func(*args, **kwargs)
         if not any(_is_meta(x) for x in tensors_in) and not _has_meta(out):
@@ -210,7 +223,7 @@ class InitRecorder(TorchFunctionMode):
                 # of many sizes, rarely reuses them (the build's RSS would grow towards the whole model).
                 release_freed_memory()
             else:
-                func(*tree_map(scratch, args), **tree_map(scratch, kwargs))
+                func(*map_leaves(scratch, args), **map_leaves(scratch, kwargs))
 
     def _record(self, func, args, kwargs, out, rng, generators, factory: bool) -> None:
         log = self.log
@@ -222,16 +235,18 @@ class InitRecorder(TorchFunctionMode):
 
         # An input seen for the first time (a meta model built outside the recording) exists already:
         # it is not created by this call, whose write must then be a full one to give it contents.
-        rargs, rkwargs = tree_map(to_ref, args), tree_map(to_ref, kwargs)
+        rargs, rkwargs = map_leaves(to_ref, args), map_leaves(to_ref, kwargs)
         known = set(log.nbytes)
-        flat_out, _ = tree_flatten(out)
-        outs = [log.ref(x, register=True) if _is_meta(x) else None for x in flat_out]
-        creates = frozenset(r.key for r in outs if r is not None and r.key not in known)
+        flat_out = leaves(out)
+        outs = tuple(log.ref(x, register=True) if _is_meta(x) else None for x in flat_out)
+        creates = tuple(dict.fromkeys(r.key for r in outs if r is not None and r.key not in known))
         target = _written(func, rargs, rkwargs)
-        writes = frozenset(r.key for r in target)
+        writes = tuple(dict.fromkeys(r.key for r in target))
         name = func_name(func)
         full = _is_init_fn(func) or name in _OVERWRITES
-        overwrites = frozenset(r.key for r in target if full and r.covers(log.nbytes[r.key]))
+        overwrites = tuple(dict.fromkeys(r.key for r in target if full and r.covers(log.nbytes[r.key])))
+        if overwrites == writes:
+            overwrites = writes  # the usual full fill: one set for both
         if not creates and not writes:
             return  # a view or a read: the storage it touches is recorded where it was made
         log.add(Op(len(log.ops), func, rargs, rkwargs, outs, creates, writes, overwrites, factory, rng, generators))
@@ -247,7 +262,7 @@ def _written(func, args: tuple, kwargs: dict) -> list[Ref]:
     if inplace and isinstance(first, Ref):
         refs.append(first)
     out = kwargs.get("out")
-    flat, _ = tree_flatten(out)
+    flat = leaves(out)
     refs.extend(r for r in flat if isinstance(r, Ref))
     return refs
 
@@ -258,7 +273,7 @@ def _meta_device(device: Any) -> bool:
 
 
 def _has_meta(out: Any) -> bool:
-    flat, _ = tree_flatten(out)
+    flat = leaves(out)
     return any(_is_meta(x) for x in flat)
 
 
@@ -307,6 +322,7 @@ def recording(log: InitLog) -> Iterator[None]:
         with torch.device("meta"), recorder:
             yield
     finally:
+        log.states.close()  # a later recording into this log starts a mapping of its own
         release_freed_memory()  # the draws' scratch tensors
         for owner, name, old in originals:
             setattr(owner, name, old)

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_5d.materialize.record import EMPTY_CREATIONS, InitLog, Op, Ref
+from lightning_5d.materialize.trees import leaves, map_leaves
 
 
 class Uninitialized(Exception):
@@ -88,7 +88,7 @@ class Replay:
 
     def _created(self, op: Op, key: int, memo: dict) -> torch.UntypedStorage:
         out = self._run(op, None, None, memo)
-        flat, _ = tree_flatten(out)
+        flat = leaves(out)
         for ref, real in zip(op.outs, flat):
             if ref is not None and ref.key == key:
                 # A fresh storage of exactly the recorded size (the result may share a bigger one).
@@ -105,7 +105,7 @@ class Replay:
                 return _view(storage, x, self.device)
             return _view(self._storage(x.key, op.index, memo), x, self.device)
 
-        args, kwargs = tree_map(real, op.args), tree_map(real, op.kwargs)
+        args, kwargs = map_leaves(real, op.args), map_leaves(real, op.kwargs)
         if op.factory:
             kwargs["device"] = self.device
         if op.generators:
