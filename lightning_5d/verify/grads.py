@@ -105,7 +105,9 @@ def summed(grads: dict[str, Tensor], prefix: str, tp: Any | None, cp: Any | None
 def _saved_storages(output: Tensor) -> set[int] | None:
     """The storages the graph behind ``output`` saved for its backward (by data pointer), or
     None when that cannot be seen whole: a Python ``autograd.Function`` may keep tensors on its
-    ``ctx`` outside ``save_for_backward``, and a node whose saved values cannot be read."""
+    ``ctx`` outside ``save_for_backward``, and a value saved under saved-tensor hooks (activation
+    checkpointing inside the piece) is read only by unpacking it, which recomputes it and, for
+    torch's non-reentrant checkpoint, may be done once."""
     storages: set[int] = set()
     seen: set[Any] = set()
     stack = [output.grad_fn]
@@ -117,15 +119,17 @@ def _saved_storages(output: Tensor) -> set[int] | None:
         if isinstance(node, torch.autograd.function.BackwardCFunction):
             return None
         for attr in dir(node):
-            if not attr.startswith("_saved_"):
+            if not attr.startswith("_raw_saved_"):
                 continue
-            try:
-                value = getattr(node, attr)
-            except Exception:  # noqa: BLE001 - an unreadable saved value: assume it holds anything
-                return None
-            for t in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(t, Tensor):
-                    storages.add(t.untyped_storage().data_ptr())
+            value = getattr(node, attr)  # the saved values as kept: nothing is unpacked
+            for saved in value if isinstance(value, (tuple, list)) else (value,):
+                if not isinstance(saved, torch._C._autograd.SavedTensor):
+                    continue
+                if saved.unpack_hook is not None:
+                    return None
+                data = saved.data
+                if isinstance(data, Tensor) and data.layout == torch.strided:
+                    storages.add(data.untyped_storage().data_ptr())
         stack.extend(next_node for next_node, _ in node.next_functions)
     return storages
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 from lightning_5d.config import ActivationCheckpointing
 from lightning_5d.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -76,6 +77,17 @@ class CustomScaled(nn.Module):
         return self.proj(Scale.apply(x, self.w))
 
 
+class CheckpointedHead(nn.Module):
+    """A head under torch's non-reentrant checkpoint: its saved values are read only by unpacking."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 32, bias=False)
+
+    def forward(self, x):
+        return checkpoint(self.proj, x, use_reentrant=False)
+
+
 @pytest.mark.parametrize(
     ("piece", "inputs", "released"),
     [
@@ -83,6 +95,7 @@ class CustomScaled(nn.Module):
         (nn.Embedding(32, 8), torch.randint(0, 32, (3,)), ["weight"]),  # a scatter of the cotangent
         (Head(), torch.randn(3, 8), ["proj.bias"]),
         (CustomScaled(), torch.randn(3, 8), []),  # a Python Function's ctx could hold anything
+        (CheckpointedHead(), torch.randn(3, 8), []),  # unpacking would recompute (and may be done once)
     ],
 )
 def test_the_reference_backward_frees_only_the_weights_its_graph_does_not_save(piece, inputs, released):
