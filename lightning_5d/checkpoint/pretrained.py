@@ -24,6 +24,7 @@ import functools
 import json
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
@@ -61,6 +62,7 @@ class StateSource:
         self._shape: dict[str, tuple[int, ...]] = {}
         self._bytes: dict[str, int] = {}
         self._read: dict[str, Callable[[str, tuple], Tensor]] = {}
+        self._raw: dict[str, _RawEntry] = {}  # safetensors entries: where their bytes lie in the file
 
     def keys(self) -> list[str]:
         return list(self._shape)
@@ -75,6 +77,30 @@ class StateSource:
         """``file_tensor[index]`` of entry ``key``; only that part is read."""
         return self._read[key](key, index)
 
+    def read_into(self, key: str, index: tuple, out: Tensor) -> bool:
+        """Read ``file_tensor[index]`` straight into ``out`` when it is one run of the file's bytes
+        in ``out``'s dtype and ``out`` is contiguous (a row block of a tensor, as ZeRO-3 and a
+        column-parallel cut take them); False, with nothing read, otherwise. No tensor is made
+        for the slice and no page of the file is mapped: the load holds only the model."""
+        raw = self._raw.get(key)
+        if raw is None or raw.dtype != out.dtype or not out.is_contiguous() or sys.byteorder != "little":
+            return False
+        span = _byte_span(raw.shape, index, out.element_size())
+        if span is None or span[1] != out.numel() * out.element_size():
+            return False
+        start, length = span
+        buffer = out.detach().view(-1).view(torch.uint8).numpy()  # out's own memory, as bytes
+        with open(raw.file, "rb", buffering=0) as f:
+            f.seek(raw.offset + start)
+            got = 0
+            while got < length:
+                n = f.readinto(buffer[got:])
+                if not n:
+                    raise CheckpointError(f"{raw.file}: entry {key!r} ends before its header says (the file is "
+                                          f"truncated); download or copy it again")  # fmt: skip
+                got += n
+        return True
+
     def get(self, key: str) -> Tensor:
         """The whole entry (export and tests; loading reads slices)."""
         return self.read(key, tuple(slice(None) for _ in self._shape[key]))
@@ -84,6 +110,7 @@ class StateSource:
         require_safetensors()
         from safetensors import safe_open
 
+        raw = _raw_entries(file)
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             for key in handle.keys():
                 if only is not None and key not in only:
@@ -93,6 +120,8 @@ class StateSource:
                 self._shape[key] = shape
                 self._bytes[key] = _numel(shape) * _DTYPE_BYTES.get(piece.get_dtype(), 1)
                 self._read[key] = functools.partial(_safetensors_slice, str(file))
+                if key in raw and raw[key].shape == shape:
+                    self._raw[key] = raw[key]
 
     def add_torch(self, file: Path, only: set[str] | None = None) -> None:
         state = _torch_load(file)
@@ -102,6 +131,64 @@ class StateSource:
             self._shape[key] = tuple(value.shape)
             self._bytes[key] = value.numel() * value.element_size()
             self._read[key] = lambda k, index, state=state: state[k][index] if index else state[k]
+
+
+@dataclass(frozen=True)
+class _RawEntry:
+    """Where one safetensors entry's bytes lie: the file, the offset of its first byte, its
+    dtype and shape (row-major, little-endian, as the format stores every tensor)."""
+
+    file: str
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+_RAW_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8}  # fmt: skip
+
+
+def _raw_entries(file: Path) -> dict[str, _RawEntry]:
+    """The entries of a safetensors file from its header (8-byte little-endian length, then JSON
+    ``{name: {dtype, shape, data_offsets}}``; the data follow it). Empty if the header is not one."""
+    try:
+        with open(file, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if not 0 < length <= 100 * 2**20:
+                return {}
+            header = json.loads(f.read(length))
+    except (OSError, ValueError):
+        return {}  # safe_open reports a damaged file; slices are then read its way
+    found = {}
+    for key, entry in header.items():
+        if key == "__metadata__" or not isinstance(entry, dict) or entry.get("dtype") not in _RAW_DTYPES:
+            continue
+        begin, _ = entry["data_offsets"]
+        found[key] = _RawEntry(str(file), 8 + length + begin, _RAW_DTYPES[entry["dtype"]], tuple(entry["shape"]))
+    return found
+
+
+def _byte_span(shape: tuple[int, ...], index: tuple, itemsize: int) -> tuple[int, int] | None:
+    """(first byte, length) of ``tensor[index]`` in a row-major tensor of ``shape``, when those
+    elements are one run: the dims after the last one the index cuts are whole, the ones before
+    it taken one index at a time. None otherwise."""
+    if len(index) != len(shape):
+        return None
+    bounds = []
+    for s, dim in zip(index, shape):
+        start, stop, step = s.indices(dim)
+        if step != 1 or stop < start:
+            return None
+        bounds.append((start, stop))
+    cut = [d for d, (a, b) in enumerate(bounds) if (a, b) != (0, shape[d])]
+    if any(b - a != 1 for a, b in bounds[: cut[-1] if cut else 0]):  # before the last cut dim: one index each
+        return None
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    first = sum(a * st for (a, _), st in zip(bounds, strides))
+    count = _numel(tuple(b - a for a, b in bounds))
+    return first * itemsize, count * itemsize
 
 
 def _safetensors_slice(file: str, key: str, index: tuple) -> Tensor:
@@ -392,7 +479,8 @@ def load_pretrained(
     for name, target in _targets(module, mine):
         key = name[len(prefix) :]
         region = dtensor_region(splits_region(name, source.shape(key), splits), target)
-        read += read_region(functools.partial(source.read, key), region, local_tensor(target))
+        read += read_region(functools.partial(source.read, key), region, local_tensor(target),
+                            read_into=functools.partial(source.read_into, key))  # fmt: skip
     checkpoints = getattr(strategy, "checkpoints", None)
     if hasattr(checkpoints, "after_model_load"):  # ZeRO-1/2 and bf16 masters copy the new weights
         checkpoints.after_model_load()

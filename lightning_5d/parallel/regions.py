@@ -144,9 +144,15 @@ def splits_region(name: str, shape: Sequence[int], splits: Sequence) -> Region:
     return region
 
 
-def read_region(read: Callable[[Index], Tensor], region: Region, out: Tensor) -> int:
+def read_region(
+    read: Callable[[Index], Tensor],
+    region: Region,
+    out: Tensor,
+    read_into: Callable[[Index, Tensor], bool] | None = None,
+) -> int:
     """Fill ``out`` (the rank's piece, shape ``region.local_shape``) rectangle by rectangle with
-    ``read(full index)``; returns the bytes read. One rectangle is in memory at a time."""
+    ``read(full index)``; returns the bytes read. One rectangle is in memory at a time, none
+    where ``read_into(full index, target)`` fills the target in place (and says so)."""
     if tuple(out.shape) != region.local_shape:
         raise ValueError(f"target shape {tuple(out.shape)} != region {region.local_shape}")
     done = 0
@@ -156,8 +162,12 @@ def read_region(read: Callable[[Index], Tensor], region: Region, out: Tensor) ->
             out.copy_(value)
             return value.numel() * value.element_size()
         for full, local in region.blocks():
+            target = out[local]
+            if read_into is not None and read_into(full, target):
+                done += target.numel() * target.element_size()
+                continue
             value = read(full)
-            out[local].copy_(value)
+            target.copy_(value)
             done += value.numel() * value.element_size()
             del value
     return done

@@ -174,8 +174,10 @@ def test_a_rank_reads_only_the_entries_it_holds(tmp_path, monkeypatch):
     real_gather = pretrained._gather
     monkeypatch.setattr(pretrained, "_gather", lambda obj: [obj, others] if isinstance(obj, list) else real_gather(obj))
     read = []
-    real_read = pretrained.StateSource.read
+    real_read, real_read_into = pretrained.StateSource.read, pretrained.StateSource.read_into
     monkeypatch.setattr(pretrained.StateSource, "read", lambda self, key, i: read.append(key) or real_read(self, key, i))
+    monkeypatch.setattr(pretrained.StateSource, "read_into",
+                        lambda self, key, i, out: real_read_into(self, key, i, out) and not read.append(key))  # fmt: skip
     report = load_pretrained(Strategy(target), path)
     assert sorted("model." + k for k in read) == sorted(target.state_dict()) and report.loaded == len(read)
     for k, v in target.state_dict().items():
@@ -271,7 +273,7 @@ def test_a_tensor_parallel_rank_reads_its_slices_and_nothing_more(tmp_path, monk
               "qkv.bias": TensorShard(0, (16, 8, 8)), "o.weight": TensorShard(1),
               "gate_up.weight": TensorShard(0, (24, 24))}  # fmt: skip
     size = 2
-    real_read = pretrained.StateSource.read
+    real_read, real_read_into = pretrained.StateSource.read, pretrained.StateSource.read_into
     for rank in range(size):
         tp = object.__new__(TensorParallel)
         tp.shards, tp.rank, tp.size = shards, rank, size
@@ -287,7 +289,14 @@ def test_a_tensor_parallel_rank_reads_its_slices_and_nothing_more(tmp_path, monk
             reads.append((key, value.numel() * value.element_size()))
             return value
 
+        def counting_into(self, key, index, out):  # a rectangle read in place: no tensor of its own
+            done = real_read_into(self, key, index, out)
+            if done:
+                reads.append((key, out.numel() * out.element_size()))
+            return done
+
         monkeypatch.setattr(pretrained.StateSource, "read", counting)
+        monkeypatch.setattr(pretrained.StateSource, "read_into", counting_into)
         report = load_pretrained(Strategy(target, [tp]), path)
         share = {k: v.numel() * v.element_size() for k, v in target.state_dict().items()}
         assert report.bytes_read == sum(n for _, n in reads) == sum(share.values())  # exactly the share
@@ -299,3 +308,34 @@ def test_a_tensor_parallel_rank_reads_its_slices_and_nothing_more(tmp_path, monk
         for name, value in target.state_dict().items():
             want = shards[name].take(full[name], rank, size) if name in shards else full[name]
             assert torch.equal(value, want), (rank, name)
+
+
+# ---------------------------------------------------------------------- reading in place
+def test_a_run_of_the_files_bytes_is_read_straight_into_the_target(tmp_path):
+    torch.manual_seed(0)
+    full = {"w": torch.randn(8, 6), "h": torch.randn(8, 6).bfloat16(), "b": torch.randn(2, 4, 3)}
+    path = tmp_path / "w.safetensors"
+    save_file(full, path)
+    source = open_state(path)
+    rows = torch.empty(3, 6)  # a ZeRO-3 row shard
+    assert source.read_into("w", (slice(2, 5), slice(0, 6)), rows) and torch.equal(rows, full["w"][2:5])
+    inner = torch.empty(1, 2, 3)  # one index of dim 0, a run of dim 1, dim 2 whole
+    assert source.read_into("b", (slice(1, 2), slice(1, 3), slice(0, 3)), inner)
+    assert torch.equal(inner, full["b"][1:2, 1:3])
+    bf16 = torch.empty(2, 6, dtype=torch.bfloat16)
+    assert source.read_into("h", (slice(6, 8), slice(0, 6)), bf16) and torch.equal(bf16, full["h"][6:8])
+    # Not one run, another dtype than the file's, a target that is not contiguous: left to read().
+    untouched = torch.zeros(8, 3)
+    assert not source.read_into("w", (slice(0, 8), slice(0, 3)), untouched) and not untouched.any()
+    assert not source.read_into("h", (slice(0, 2), slice(0, 6)), torch.zeros(2, 6))
+    assert not source.read_into("w", (slice(0, 3), slice(0, 6)), torch.zeros(6, 3).t())
+
+
+def test_a_truncated_entry_read_in_place_is_refused_with_the_fix(tmp_path):
+    path = tmp_path / "w.safetensors"
+    save_file({"w": torch.randn(64, 16)}, path)
+    source = open_state(path)
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 100)
+    with pytest.raises(CheckpointError, match="truncated.*copy it again"):
+        source.read_into("w", (slice(60, 64), slice(0, 16)), torch.empty(4, 16))
