@@ -8,7 +8,9 @@ expert parallelism, and of each only the slice it holds after tensor parallelism
 experts and its FSDP2 shard (``lightning_5d.parallel.regions``), one tensor at a time,
 straight into its parameter. No rank reads or holds the whole model, nor sends anything.
 
-safetensors files are sliced lazily (``safe_open(...).get_slice``). torch ``.pt`` / ``.bin``
+safetensors files are sliced lazily: a slice that is one run of the file's bytes in the
+parameter's dtype is read straight into the parameter (:meth:`StateSource.read_into`), any
+other through ``safe_open(...).get_slice``. torch ``.pt`` / ``.bin``
 files cannot be: they are memory-mapped (``torch.load(mmap=True)``, zip files) and the rank's
 slices copied out of the map, so only the pages of those slices are read; a legacy non-zip
 file is loaded whole on every rank.
