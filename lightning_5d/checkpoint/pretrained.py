@@ -87,6 +87,8 @@ class StateSource:
         raw = self._raw.get(key)
         if raw is None or raw.dtype != out.dtype or not out.is_contiguous() or sys.byteorder != "little":
             return False
+        if out.device.type != "cpu":  # a GPU parameter: read through get_slice and copied over
+            return False
         span = _byte_span(raw.shape, index, out.element_size())
         if span is None or span[1] != out.numel() * out.element_size():
             return False
@@ -122,6 +124,7 @@ class StateSource:
                 self._shape[key] = shape
                 self._bytes[key] = _numel(shape) * _DTYPE_BYTES.get(piece.get_dtype(), 1)
                 self._read[key] = functools.partial(_safetensors_slice, str(file))
+                self._raw.pop(key, None)  # a key added again from another file
                 if key in raw and raw[key].shape == shape:
                     self._raw[key] = raw[key]
 

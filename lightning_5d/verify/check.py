@@ -36,7 +36,7 @@ from lightning_5d.verify.compare import Difference, PieceResult, PlanVerificatio
 from lightning_5d.verify.compare import tolerance_for
 from lightning_5d.verify.gather import ActivationLayout, HeldTensors, full_weights
 from lightning_5d.verify.grads import first_tensor as _first_tensor
-from lightning_5d.verify.grads import reference_grads, trainable_names
+from lightning_5d.verify.grads import HookWatch, reference_grads, trainable_names
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_5d.verify.probe import (
@@ -317,8 +317,9 @@ class PlanCheck:
         for inner, _ in inners:
             inner_recorder.watch(inner, reference.get_submodule(inner), inputs=False)
             reference.get_submodule(inner).register_forward_hook(lambda *_a, _p=inner: order.append(_p))
+        hooks = HookWatch()
         try:
-            with torch.set_grad_enabled(bool(names)):
+            with torch.set_grad_enabled(bool(names)), hooks if names else nullcontext():
                 ref_out = reference(*args, **kwargs)
         except Exception as err:
             # The parallel piece ran on these inputs; the model's own cannot take them gathered
@@ -346,7 +347,7 @@ class PlanCheck:
             # The output comparison's float64 blocks (8 MiB, kept by glibc below its mmap
             # threshold) go back first: on the 0.5 B model's head ~20 MiB, under each backward.
             release_freed_memory()
-            ref_grads = reference_grads(reference, names, _first_tensor(ref_out))
+            ref_grads = reference_grads(reference, names, _first_tensor(ref_out), release=not hooks.registered)
             # The full weights and the graph are done with: only the gradients stay for the
             # comparison, of a parameter tp cut only the part this rank's shard is compared with.
             del reference, ref_out

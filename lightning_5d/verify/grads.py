@@ -28,12 +28,14 @@ inputs, i.e. the gradient training's mean over data ranks gives.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Collection
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
 
 
 def cotangent(y: Tensor) -> Tensor:
@@ -102,12 +104,19 @@ def summed(grads: dict[str, Tensor], prefix: str, tp: Any | None, cp: Any | None
     return grads
 
 
+# autograd's generated nodes (``AddmmBackward0``) show what they saved as ``_raw_saved_*``;
+# AccumulateGrad (a leaf) saves nothing. Any other node (CopySlices after an in-place op on a
+# view, a C++ custom Function or ``_foreach_*``'s CppFunction) keeps saved values out of sight.
+_SEEN_THROUGH = re.compile(r"[A-Za-z0-9_]+Backward\d+|AccumulateGrad")
+
+
 def _saved_storages(output: Tensor) -> set[int] | None:
     """The storages the graph behind ``output`` saved for its backward (by data pointer), or
-    None when that cannot be seen whole: a Python ``autograd.Function`` may keep tensors on its
-    ``ctx`` outside ``save_for_backward``, and a value saved under saved-tensor hooks (activation
-    checkpointing inside the piece) is read only by unpacking it, which recomputes it and, for
-    torch's non-reentrant checkpoint, may be done once."""
+    None when that cannot be seen whole: a node other than autograd's generated ones (a Python
+    ``autograd.Function``, whose ``ctx`` can hold anything; CopySlices; a C++ Function), or a
+    value saved under saved-tensor hooks (activation checkpointing inside the piece), read
+    only by unpacking it, which recomputes it and, for torch's non-reentrant checkpoint, may
+    be done once."""
     storages: set[int] = set()
     seen: set[Any] = set()
     stack = [output.grad_fn]
@@ -116,7 +125,9 @@ def _saved_storages(output: Tensor) -> set[int] | None:
         if node is None or node in seen:
             continue
         seen.add(node)
-        if isinstance(node, torch.autograd.function.BackwardCFunction):
+        if isinstance(node, torch.autograd.function.BackwardCFunction) or not _SEEN_THROUGH.fullmatch(
+            type(node).__name__
+        ):
             return None
         for attr in dir(node):
             if not attr.startswith("_raw_saved_"):
@@ -134,8 +145,32 @@ def _saved_storages(output: Tensor) -> set[int] | None:
     return storages
 
 
+class HookWatch(TorchFunctionMode):
+    """Whether a forward run inside it registers a tensor hook (``Tensor.register_hook``): the hook
+    runs in the backward with whatever it closed over, a parameter included, out of the graph's
+    sight, so :func:`release_unsaved_weights` must not empty any weight then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.registered = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is Tensor.register_hook:
+            self.registered = True
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_hooks(reference: nn.Module) -> bool:
+    """Module backward hooks (the piece's own, or global ones) run with the module at hand."""
+    from torch.nn.modules import module as module_hooks
+
+    if module_hooks._global_backward_hooks or module_hooks._global_backward_pre_hooks:
+        return True
+    return any(m._backward_hooks or m._backward_pre_hooks for m in reference.modules())
+
+
 def release_unsaved_weights(reference: nn.Module, output: Tensor) -> int:
-    """Free the storage of each of the reference piece's parameters its graph did not save.
+    """Empty each of the reference piece's parameters its graph did not save.
 
     The weight gradient of a layer whose input needs no gradient is built from that input and
     the cotangent alone (``∂L/∂W = cᵀh`` for a linear head, a scatter of ``c`` for an
@@ -143,9 +178,12 @@ def release_unsaved_weights(reference: nn.Module, output: Tensor) -> int:
     forward ran, yet the piece kept it alive next to the full gradient: 2 x the largest
     tensor on a rank (the 0.5 B model's 188 MiB head under tp2 x ZeRO-3). The parameter stays
     the same leaf (its gradient keeps the shape autograd recorded at the forward); only its
-    data becomes empty, which any later read would fail on loudly. Returns the bytes freed.
+    data becomes empty. Nothing is emptied where a backward could read a weight outside the
+    graph's saved values (see :func:`_saved_storages`, module backward hooks; the caller
+    checks tensor hooks with :class:`HookWatch`). Returns the bytes emptied (freed unless
+    another tensor shares the storage).
     """
-    saved = _saved_storages(output)
+    saved = None if _backward_hooks(reference) else _saved_storages(output)
     if saved is None:
         return 0
     freed = 0
@@ -156,9 +194,13 @@ def release_unsaved_weights(reference: nn.Module, output: Tensor) -> int:
     return freed
 
 
-def reference_grads(reference: nn.Module, names: list[str], output: Any) -> dict[str, Tensor]:
-    """The reference piece's gradients of ``names`` from its ``output``. The weights its graph
-    does not need are freed first (:func:`release_unsaved_weights`): the piece is spent after."""
+def reference_grads(
+    reference: nn.Module, names: list[str], output: Any, release: bool = True
+) -> dict[str, Tensor]:
+    """The reference piece's gradients of ``names`` from its ``output``. With ``release`` (no
+    tensor hook was registered in its forward: :class:`HookWatch`) the weights its graph does
+    not need are emptied first (:func:`release_unsaved_weights`): the piece is spent after."""
     params = dict(reference.named_parameters())
-    found = _grads(_local(first_tensor(output)), [params[n] for n in names], release_from=reference)
+    wanted = [params[n] for n in names]
+    found = _grads(_local(first_tensor(output)), wanted, release_from=reference if release else None)
     return dict(zip(names, found))

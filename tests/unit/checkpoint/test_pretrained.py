@@ -329,6 +329,8 @@ def test_a_run_of_the_files_bytes_is_read_straight_into_the_target(tmp_path):
     assert not source.read_into("w", (slice(0, 8), slice(0, 3)), untouched) and not untouched.any()
     assert not source.read_into("h", (slice(0, 2), slice(0, 6)), torch.zeros(2, 6))
     assert not source.read_into("w", (slice(0, 3), slice(0, 6)), torch.zeros(6, 3).t())
+    # Not on the CPU (a GPU parameter; meta stands in for it): read through get_slice, then copied.
+    assert not source.read_into("w", (slice(2, 5), slice(0, 6)), torch.empty(3, 6, device="meta"))
 
 
 def test_a_truncated_entry_read_in_place_is_refused_with_the_fix(tmp_path):

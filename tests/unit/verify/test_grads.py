@@ -11,7 +11,14 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_5d.config import ActivationCheckpointing
 from lightning_5d.parallel.activation_checkpoint import apply_activation_checkpointing
-from lightning_5d.verify.grads import cotangent, local_grads, reference_grads, release_unsaved_weights, trainable_names
+from lightning_5d.verify.grads import (
+    HookWatch,
+    cotangent,
+    local_grads,
+    reference_grads,
+    release_unsaved_weights,
+    trainable_names,
+)
 from lightning_5d.verify.rerun import ParallelGrads, rerun, unit_owners
 
 
@@ -88,6 +95,36 @@ class CheckpointedHead(nn.Module):
         return checkpoint(self.proj, x, use_reentrant=False)
 
 
+class ScaledInPlace(nn.Module):
+    """An in-place op on a view: CopySlices hides the saved scale of the op it wraps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.scale = nn.Linear(8, 8), nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        h = self.proj(x)
+        h[:, :].mul_(self.scale)
+        return h
+
+
+class ForeachScaled(nn.Module):
+    """``_foreach_mul``'s node (a CppFunction) shows nothing it saved."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.a = nn.LayerNorm(8), nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        return torch._foreach_mul([self.norm(x)], [self.a])[0]
+
+
+def _hooked() -> nn.Module:
+    head = nn.Linear(8, 32, bias=False)
+    head.register_full_backward_pre_hook(lambda module, grad: None)  # runs with the module at hand
+    return head
+
+
 @pytest.mark.parametrize(
     ("piece", "inputs", "released"),
     [
@@ -96,8 +133,12 @@ class CheckpointedHead(nn.Module):
         (Head(), torch.randn(3, 8), ["proj.bias"]),
         (CustomScaled(), torch.randn(3, 8), []),  # a Python Function's ctx could hold anything
         (CheckpointedHead(), torch.randn(3, 8), []),  # unpacking would recompute (and may be done once)
+        (ScaledInPlace(), torch.randn(3, 8), []),
+        (ForeachScaled(), torch.randn(3, 8), []),
+        (_hooked(), torch.randn(3, 8), []),
     ],
 )
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # the hooked head: its input needs no gradient
 def test_the_reference_backward_frees_only_the_weights_its_graph_does_not_save(piece, inputs, released):
     torch.manual_seed(0)
     names = trainable_names(piece)
@@ -107,6 +148,38 @@ def test_the_reference_backward_frees_only_the_weights_its_graph_does_not_save(p
     assert [n for n, p in piece.named_parameters() if p.numel() == 0 and sizes[n]] == released
     for name in names:  # equal to the backward that kept every weight, at the parameter's shape
         torch.testing.assert_close(grads[name], expected[name], rtol=0, atol=0)
+
+
+class HookReadsScale(nn.Module):
+    """A tensor hook registered in the forward reads a parameter in the backward, outside the graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj, self.scale = nn.Linear(8, 8), nn.Parameter(torch.randn(1))
+
+    def forward(self, x):
+        h = self.proj(x)
+        if h.requires_grad:
+            h.register_hook(lambda g: g * self.scale.sum())
+        return h + self.scale
+
+
+def test_a_tensor_hook_registered_in_the_forward_keeps_every_weight():
+    torch.manual_seed(0)
+    piece, x = HookReadsScale(), torch.randn(3, 8)
+    names = trainable_names(piece)
+    expected = local_grads(piece(x), [dict(piece.named_parameters())[n] for n in names])
+    watch = HookWatch()
+    with watch:  # as the verifier runs the reference's forward
+        out = piece(x)
+    assert watch.registered
+    grads = reference_grads(piece, names, out, release=not watch.registered)
+    assert all(p.numel() for p in piece.parameters())
+    for name, want in zip(names, expected):
+        torch.testing.assert_close(grads[name], want, rtol=0, atol=0)
+    with HookWatch() as quiet:
+        nn.Linear(8, 8)(x)
+    assert not quiet.registered
 
 
 def test_the_release_counts_the_bytes_it_freed():
