@@ -43,7 +43,10 @@ from lightning_5d.parallel.regions import dtensor_region, local_tensor, read_reg
 HF_INDEX = "model.safetensors.index.json"
 BIN_WEIGHTS = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
-_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
+# safetensors' dtype names (the file's header) as torch dtypes.
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8}  # fmt: skip
 
 
 def _checkpoint_error(message: str) -> Exception:
@@ -122,7 +125,8 @@ class StateSource:
                 piece = handle.get_slice(key)
                 shape = tuple(piece.get_shape())
                 self._shape[key] = shape
-                self._bytes[key] = _numel(shape) * _DTYPE_BYTES.get(piece.get_dtype(), 1)
+                dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype())
+                self._bytes[key] = _numel(shape) * (dtype.itemsize if dtype is not None else 1)
                 self._read[key] = functools.partial(_safetensors_slice, str(file))
                 self._raw.pop(key, None)  # a key added again from another file
                 if key in raw and raw[key].shape == shape:
@@ -149,10 +153,6 @@ class _RawEntry:
     shape: tuple[int, ...]
 
 
-_RAW_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8}  # fmt: skip
-
-
 def _raw_entries(file: Path) -> dict[str, _RawEntry]:
     """The entries of a safetensors file from its header (8-byte little-endian length, then JSON
     ``{name: {dtype, shape, data_offsets}}``; the data follow it). Empty if the header is not one."""
@@ -166,10 +166,11 @@ def _raw_entries(file: Path) -> dict[str, _RawEntry]:
         return {}  # safe_open reports a damaged file; slices are then read its way
     found = {}
     for key, entry in header.items():
-        if key == "__metadata__" or not isinstance(entry, dict) or entry.get("dtype") not in _RAW_DTYPES:
+        if key == "__metadata__" or not isinstance(entry, dict) or entry.get("dtype") not in _SAFETENSORS_DTYPES:
             continue
         begin, _ = entry["data_offsets"]
-        found[key] = _RawEntry(str(file), 8 + length + begin, _RAW_DTYPES[entry["dtype"]], tuple(entry["shape"]))
+        dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
+        found[key] = _RawEntry(str(file), 8 + length + begin, dtype, tuple(entry["shape"]))
     return found
 
 

@@ -99,10 +99,10 @@ def shard_differences(
             break
         full_name = f"{prefix}.{name}" if prefix else name
         ref = reference.pop(name)
+        if not isinstance(ref, RankPart) and tp is not None and tp.is_sharded(full_name):
+            ref = rank_part(ref, tp.shards[full_name], tp.rank, tp.size)  # not cut by keep_rank_parts
         if isinstance(ref, RankPart):
             measured[name] = part_sums(local[name], ref, tp.rank)
-        elif tp is not None and tp.is_sharded(full_name):
-            measured[name] = shard_sums(local[name], ref, tp.shards[full_name], tp.rank, tp.size)
         else:
             measured[name] = _whole_sums(local[name], ref)
         del ref
