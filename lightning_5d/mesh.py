@@ -3,12 +3,19 @@
 The mesh is the single source of truth for the layout: nothing else computes ranks or
 group membership. Flattened meshes (several dims seen as one) are created once here and
 kept, since torch is retiring re-slicing them from the root mesh.
+
+Process groups: ``init_device_mesh`` makes one group per dimension, including a one-rank
+group for each dimension of size 1 (four of the five under ZeRO-3 alone: a gloo group has
+three threads, an NCCL one a communicator). Here every size-1 dimension shares one
+one-rank group, and the expert mesh reuses the root's groups for the dimensions it shares
+with it (pp, dp_replicate, tp), so only groups with new members are created.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -28,6 +35,44 @@ EXPERT_DIMS = ("pp", "dp_replicate", "edp_shard", "ep", "tp")
 _CANONICAL = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
+def _root_mesh(device_type: str, layout: Layout) -> DeviceMesh:
+    """The job's mesh over ``layout.rank_order``; its size-1 dims share one one-rank group."""
+    names = layout.rank_order
+    shape = tuple(getattr(layout, d) for d in names)
+    real = [d for d, n in zip(names, shape) if n > 1]
+    if len(real) == len(names) or layout.world_size == 1:
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)  # no size-1 dim (or only the world's)
+    ranks = torch.arange(layout.world_size, dtype=torch.int).reshape(shape)
+    groups: dict[str, dist.ProcessGroup] = {}
+    if real:
+        # torch's own path for the dims with peers (ncclCommSplit where the device is bound).
+        compact = DeviceMesh(device_type, ranks.reshape([n for n in shape if n > 1]), mesh_dim_names=tuple(real))
+        groups = {d: compact.get_group(d) for d in real}
+    one = _one_rank_group()
+    return DeviceMesh.from_group([groups.get(d, one) for d in names], device_type, mesh=ranks, mesh_dim_names=names)
+
+
+def _one_rank_group() -> dist.ProcessGroup:
+    """This rank's group of itself (every rank creates every one, ``new_group``'s rule)."""
+    group, _ = dist.new_subgroups_by_enumeration([[r] for r in range(dist.get_world_size())])
+    return group
+
+
+def _enumerated_group(
+    ranks: torch.Tensor, dim: int, one_rank_group: Callable[[], dist.ProcessGroup]
+) -> dist.ProcessGroup:
+    """This rank's group along ``ranks``' dim ``dim``: every line of ranks along it is a group
+    (in ascending rank order, as ``new_group`` orders its members and the mesh its coordinates)."""
+    size = ranks.shape[dim]
+    if size == 1:
+        return one_rank_group()
+    if size == ranks.numel():
+        return dist.group.WORLD
+    lines = ranks.movedim(dim, -1).reshape(-1, size).tolist()
+    group, _ = dist.new_subgroups_by_enumeration(lines)
+    return group
+
+
 class ParallelMesh:
     """Named access to the job's DeviceMesh: ``mesh["tp"]``, ``mesh["dp_shard_cp"]``, ..."""
 
@@ -38,11 +83,7 @@ class ParallelMesh:
                 f"has {dist.get_world_size()}."
             )
         self.layout = layout
-        self.root: DeviceMesh = init_device_mesh(
-            device_type,
-            tuple(getattr(layout, d) for d in layout.rank_order),
-            mesh_dim_names=layout.rank_order,
-        )
+        self.root: DeviceMesh = _root_mesh(device_type, layout)
         self._flat: dict[str, DeviceMesh] = {
             name: self._submesh(dims)._flatten(name) for name, dims in FLATTENED.items()
         }
@@ -56,8 +97,17 @@ class ParallelMesh:
     def _expert_mesh(self) -> DeviceMesh:
         lay = self.layout
         ranks = self.root.mesh.permute([lay.rank_order.index(d) for d in _CANONICAL])
-        ranks = ranks.reshape(lay.pp, lay.dp_replicate, lay.dp_shard * lay.cp // lay.ep, lay.ep, lay.tp)
-        return DeviceMesh(self.root.device_type, ranks, mesh_dim_names=EXPERT_DIMS)
+        ranks = ranks.reshape(lay.pp, lay.dp_replicate, lay.dp_shard * lay.cp // lay.ep, lay.ep, lay.tp).contiguous()
+        # pp, dp_replicate and tp hold the same ranks as the root's dims of those names.
+        groups = [self.root.get_group(d) if d in _CANONICAL else _enumerated_group(ranks, i, self._one_rank_group)
+                  for i, d in enumerate(EXPERT_DIMS)]  # fmt: skip
+        return DeviceMesh.from_group(groups, self.root.device_type, mesh=ranks, mesh_dim_names=EXPERT_DIMS)
+
+    def _one_rank_group(self) -> dist.ProcessGroup:
+        """The root's one-rank group (that of any of its size-1 dims); made now if it has none."""
+        lay = self.layout
+        ones = [d for d in lay.rank_order if getattr(lay, d) == 1]
+        return self.root.get_group(ones[0]) if ones else _one_rank_group()
 
     def _submesh(self, dims: Sequence[str]) -> DeviceMesh:
         unknown = [d for d in dims if d not in self.layout.rank_order]

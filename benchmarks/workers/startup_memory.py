@@ -10,7 +10,8 @@ of the one-parameter units instead of ours in place (parallel/data/gather_in_pla
 With ``--phases`` also each phase's peak and, at
 each phase boundary, RSS, its file pages and glibc's heap; with ``STARTUP_SMAPS=1`` as well, each
 rank's /proc/self/smaps and threads at ``on_train_start`` (which mappings hold the pages), and at
-each phase boundary the interpreter's small-object pools (``sys._debugmallocstats``: in use, free). With
+each phase boundary the interpreter's small-object pools (``sys._debugmallocstats``: in use, free); with
+``STARTUP_TRACE_COMPARE=1`` each step of the verifier's piece comparisons as a phase. With
 ``STARTUP_OBJECTS=DIR`` (a diagnostic: it traces every Python allocation, so its RSS figures are not
 the benchmark's), rank 0 writes into DIR what Python allocated between the baseline and
 ``on_train_start`` and still holds there (tracemalloc, by file and by traceback), the change in
@@ -189,6 +190,13 @@ def watch_phases() -> PhaseRSS:
     if os.environ.get("STARTUP_TRACE_PROBE"):
         trace_probe_modules(phases, check)
     phases.wrap(check.PlanCheck, "_compare", "verify: compare pieces")
+    if os.environ.get("STARTUP_TRACE_COMPARE"):  # the steps of each piece's comparison
+        phases.wrap(check, "full_weights", "compare: gather full weights")
+        phases.wrap(check, "materialize", "compare: reference piece")
+        phases.wrap(check, "difference", "compare: output difference")
+        phases.wrap(check, "reference_grads", "compare: reference backward")
+        phases.wrap(check.ParallelGrads, "of", "compare: parallel backward")
+        phases.wrap(check, "shard_differences", "compare: gradient difference")
     phases.wrap(strategy.FiveDStrategy, "setup_optimizers", "optimizer")
     phases.wrap(strategy.FiveDStrategy, "setup", "setup (all)")
     phases.wrap(strategy.FiveDStrategy, "setup_environment", "process group + mesh")

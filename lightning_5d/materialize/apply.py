@@ -32,7 +32,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from lightning_5d.materialize.chunks import CHUNK_BYTES, fill_region
+from lightning_5d.materialize.chunks import fill_region
+from lightning_5d.materialize.draws import CHUNK_BYTES
 from lightning_5d.heap import release_freed_memory
 from lightning_5d.materialize.record import InitLog, Ref, recording
 from lightning_5d.materialize.replay import Replay

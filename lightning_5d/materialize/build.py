@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from lightning_5d.materialize.chunks import CHUNK_BYTES
+from lightning_5d.materialize.draws import CHUNK_BYTES
 from lightning_5d.materialize.apply import capture, has_meta, materialize, to_device_except_meta
 from lightning_5d.materialize.record import InitLog, Ref, recording
 

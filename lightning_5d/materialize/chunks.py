@@ -45,18 +45,16 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_5d.materialize.draws import CHUNK_BYTES, DRAWS, AtenCalls
 from lightning_5d.materialize.record import EMPTY_CREATIONS, InitLog, Op, Ref
 from lightning_5d.materialize.trees import leaves, map_leaves
 from lightning_5d.parallel.regions import Region
 
-CHUNK_BYTES = 2**20  # 1 MiB: the overhead above the share; the draws cost the same in any chunking
 _ALIGN = 64  # elements; a multiple of normal_'s group of 16 and of twice the widest float vector
 
 _MARKER_SEED = 0x5EED_0F_C4A7  # any seed; only compared with itself
 aten = torch.ops.aten
-_DRAWS = {aten.uniform_.default, aten.normal_.default}
 _CONSTANT_FACTORIES = {aten.zeros.default: 0.0, aten.ones.default: 1.0, aten.empty.memory_format: 0.0,
                        aten.empty_strided.default: 0.0}  # fmt: skip
 _ELEMENTWISE = {
@@ -95,18 +93,6 @@ class Step:
 
 class _NotChunkable(Exception):
     pass
-
-
-class _Calls(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[Any, tuple, dict, Any]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        self.calls.append((func, args, kwargs, out))
-        return out
 
 
 def plan_steps(log: InitLog, ref: Ref, start: int) -> list[Step] | None:
@@ -150,7 +136,7 @@ def _lower(op: Op, ref: Ref, numel: int, creates: bool) -> list[Step]:
     args, kwargs = map_leaves(stand_in, op.args), map_leaves(stand_in, op.kwargs)
     if op.factory:
         kwargs["device"] = torch.device("meta")
-    calls = _Calls()
+    calls = AtenCalls()
     try:
         with torch.no_grad(), calls:
             result = op.func(*args, **kwargs)
@@ -179,7 +165,7 @@ def _lower(op: Op, ref: Ref, numel: int, creates: bool) -> list[Step]:
             raise _NotChunkable
         view = Geometry(tuple(target.shape), tuple(target.stride()), target.storage_offset())
         rest = (tuple(cargs[1:]), dict(ckwargs))
-        if func in _DRAWS:
+        if func in DRAWS:
             draws += 1
             if draws > 1 or not _whole(view, numel) or not target.is_floating_point():
                 raise _NotChunkable  # a second draw would start where the first ends, after the whole tensor

@@ -13,8 +13,11 @@ state from just before the draw. So (a) the global RNG leaves the build in the s
 eager build leaves it in (``fork_rng`` / ``manual_seed`` inside the user's ``__init__``
 behave as they would), and (b) :mod:`lightning_5d.materialize.replay` can recompute any
 one tensor later, on its own, with the exact values of a single-process eager build on
-CPU: it restores each draw's recorded state. Memory while recording: one tensor's scratch,
-mapped from the OS for the draw and unmapped after it (:func:`lightning_5d.heap.scratch_storage`).
+CPU: it restores each draw's recorded state. Memory while recording: one chunk (1 MiB) where
+the call's one draw is a whole-tensor ``uniform_`` / ``normal_`` (:mod:`.draws`: the
+``nn.init`` functions, ``nn.Linear`` / ``nn.Embedding``, Hugging Face's ``normal_``); otherwise
+one tensor's scratch, mapped from the OS for the draw and unmapped after it
+(:func:`lightning_5d.heap.scratch_storage`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_5d.heap import MappedCopies, release_freed_memory, scratch_storage
+from lightning_5d.materialize.draws import advance, observe
 from lightning_5d.materialize.trees import leaves, map_leaves
 
 # Calls whose result depends on the generator (matched by name; nn.init's own are listed
@@ -200,7 +204,11 @@ class InitRecorder(TorchFunctionMode):
             states = self.log.states
             rng = states.copy(torch.get_rng_state())
             generators = {id(g): states.copy(g.get_state()) for g in flat_in if isinstance(g, torch.Generator)} or None
-            self._draw_on_scratch(func, args, kwargs, factory=factory)
+            draw = observe(func, args, kwargs)
+            if draw is not None:
+                advance(draw)  # one chunk at a time
+            else:
+                self._draw_on_scratch(func, args, kwargs, factory=factory)
         out = func(*args, **kwargs)
         if not any(_is_meta(x) for x in tensors_in) and not _has_meta(out):
             return out  # nothing on the meta device: not part of the model's construction

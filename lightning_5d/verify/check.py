@@ -344,7 +344,7 @@ class PlanCheck:
                 parts.append((f"{piece.path}.{inner}", difference(par, ref)))
         grad_diffs = []
         if names:
-            # The output comparison's float64 blocks (8 MiB, kept by glibc below its mmap
+            # The output comparison's float64 blocks (2 MiB, kept by glibc below its mmap
             # threshold) go back first: on the 0.5 B model's head ~20 MiB, under each backward.
             release_freed_memory()
             ref_grads = reference_grads(reference, names, _first_tensor(ref_out), release=not hooks.registered)

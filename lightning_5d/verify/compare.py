@@ -53,9 +53,11 @@ class Difference:
         return f"relative error {self.relative:.3g}, max abs error {self.max_abs:.3g}"
 
 
-# Elements per step of the float64 comparison: 8 MiB of each temporary, whatever the tensor's size
-# (a 32000 x 2048 weight gradient compared whole in float64 held four 500 MiB temporaries).
-_CHUNK = 1 << 20
+# Elements per step of the float64 comparison: 2 MiB of each temporary, whatever the tensor's size
+# (a 32000 x 2048 weight gradient compared whole in float64 held four 500 MiB temporaries; at 8 MiB
+# a step the temporaries, below glibc's mmap threshold, stayed resident: +61 MiB at the head's
+# gradient check of a 74 M model under tp2, +22 MiB now; benchmarks/RESULTS.md "stop 35").
+_CHUNK = 1 << 18
 
 
 def _row_blocks(t: Tensor) -> list[Tensor]:
@@ -118,7 +120,7 @@ def difference(parallel: Tensor, reference: Tensor, residual_input: Tensor | Non
     """``parallel`` against ``reference`` (both full-shape); ``residual_input``: a block's input.
 
     Computed in float64 a block of rows at a time (:class:`GapSums`): the extra memory is a
-    few 8 MiB blocks whatever the size of the tensors."""
+    few 2 MiB blocks whatever the size of the tensors."""
     if tuple(parallel.shape) != tuple(reference.shape):
         shapes = f"shape {tuple(parallel.shape)} where the model gives {tuple(reference.shape)}"
         return Difference(math.inf, math.inf, shapes)
