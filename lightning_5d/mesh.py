@@ -8,7 +8,8 @@ Process groups: ``init_device_mesh`` makes one group per dimension, including a 
 group for each dimension of size 1 (four of the five under ZeRO-3 alone: a gloo group has
 three threads, an NCCL one a communicator). Here every size-1 dimension shares one
 one-rank group, and the expert mesh reuses the root's groups for the dimensions it shares
-with it (pp, dp_replicate, tp), so only groups with new members are created.
+with it (pp, dp_replicate, tp). torch's ``_flatten`` still makes a group per flattened mesh,
+also where its members are those of one dim (or of one rank).
 """
 
 from __future__ import annotations
@@ -53,24 +54,36 @@ def _root_mesh(device_type: str, layout: Layout) -> DeviceMesh:
 
 
 def _one_rank_group() -> dist.ProcessGroup:
-    """This rank's group of itself (every rank creates every one, ``new_group``'s rule)."""
-    group, _ = dist.new_subgroups_by_enumeration([[r] for r in range(dist.get_world_size())])
+    """This rank's group of itself."""
+    return _line_group([[r] for r in range(dist.get_world_size())])
+
+
+def _line_group(lines: list[list[int]]) -> dist.ProcessGroup:
+    """This rank's group among ``lines`` (disjoint, covering the world), made as torch's DeviceMesh
+    makes a dim's groups: one ``split_group`` where the default group's communicator is bound to a
+    device (eager NCCL: one split for all lines), else a ``new_group`` per line, every rank calling
+    each in the same order (``new_group``'s rule)."""
+    default = dist.distributed_c10d._get_default_group()
+    if getattr(default, "bound_device_id", None) is not None and torch.accelerator.is_available():
+        group = dist.split_group(split_ranks=lines, group_desc="mesh_line")
+        assert group is not None  # the lines cover every rank
+        return group
+    group, _ = dist.new_subgroups_by_enumeration(lines)
     return group
 
 
 def _enumerated_group(
     ranks: torch.Tensor, dim: int, one_rank_group: Callable[[], dist.ProcessGroup]
 ) -> dist.ProcessGroup:
-    """This rank's group along ``ranks``' dim ``dim``: every line of ranks along it is a group
-    (in ascending rank order, as ``new_group`` orders its members and the mesh its coordinates)."""
+    """This rank's group along ``ranks``' dim ``dim``: every line of ranks along it is a group.
+    A group orders its members by rank, the mesh by coordinate: the lines must ascend, which
+    ``resolve_layout`` ensures for the expert mesh's rank orders (config.py, ``_expert_lines_misread``)."""
     size = ranks.shape[dim]
     if size == 1:
         return one_rank_group()
     if size == ranks.numel():
         return dist.group.WORLD
-    lines = ranks.movedim(dim, -1).reshape(-1, size).tolist()
-    group, _ = dist.new_subgroups_by_enumeration(lines)
-    return group
+    return _line_group(ranks.movedim(dim, -1).reshape(-1, size).tolist())
 
 
 class ParallelMesh:

@@ -112,8 +112,8 @@ def observe(func: Callable, args: tuple, kwargs: dict) -> Draw | None:
         target, rest = (cargs[0] if cargs else None), (tuple(cargs[1:]), dict(ckwargs))
     if op not in DRAWS or not isinstance(target, Tensor) or not target.is_meta:
         return None
-    if not target.is_floating_point() or not target.is_contiguous():
-        return None
+    if not target.is_floating_point() or not target.is_contiguous() or target.numel() == 0:
+        return None  # (an empty draw consumes nothing: drawn "whole" at no cost)
     if any(isinstance(x, Tensor) for x in leaves(rest)):
         return None
     return Draw(op, target.numel(), target.dtype, *rest)

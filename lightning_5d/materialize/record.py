@@ -200,17 +200,23 @@ class InitRecorder(TorchFunctionMode):
         factory = not tensors_in
         # Only a draw that lands on the meta device is skipped by torch: a real (CPU) one draws itself.
         lands_on_meta = any(_is_meta(x) for x in tensors_in) or (factory and _meta_device(kwargs.get("device")))
-        if is_random(func) and lands_on_meta:
+        random = is_random(func) and lands_on_meta
+        if random:
             states = self.log.states
             rng = states.copy(torch.get_rng_state())
             generators = {id(g): states.copy(g.get_state()) for g in flat_in if isinstance(g, torch.Generator)} or None
             draw = observe(func, args, kwargs)
+        out = func(*args, **kwargs)
+        on_meta = any(_is_meta(x) for x in tensors_in) or _has_meta(out)
+        if random and on_meta:
+            # torch skipped the draw on meta: move the generator on as the eager build's draw does.
+            # (Seen, not assumed: a factory that is not one of torch.device's, e.g. torch.normal(0., 1.,
+            # size), lands on CPU under the meta context and has drawn for real already.)
             if draw is not None:
                 advance(draw)  # one chunk at a time
             else:
                 self._draw_on_scratch(func, args, kwargs, factory=factory)
-        out = func(*args, **kwargs)
-        if not any(_is_meta(x) for x in tensors_in) and not _has_meta(out):
+        if not on_meta:
             return out  # nothing on the meta device: not part of the model's construction
         self._record(func, args, kwargs, out, rng, generators, factory=factory)
         return out

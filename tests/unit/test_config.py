@@ -38,6 +38,20 @@ def test_ep_must_divide_the_ranks_it_borrows():
         ParallelConfig(ep=3).resolve(4)
 
 
+def test_ep_refuses_a_rank_order_that_puts_cp_before_dp_shard_and_names_one_that_works():
+    """The expert groups read dp_replicate, dp_shard, cp in that order: with cp first a rank's place
+    in its ep / edp_shard group would not be its rank in the group (tests/unit/dryrun/test_rank_mesh.py)."""
+    order = ["tp", "cp", "pp", "dp_shard", "dp_replicate"]
+    with pytest.raises(LayoutError, match=r"rank_order=\['tp', 'dp_replicate', 'pp', 'dp_shard', 'cp'\]") as err:
+        ParallelConfig(cp=2, ep=4, rank_order=order).resolve(4)
+    assert "ep=4" in str(err.value) and str(order) in str(err.value)
+    fixed = ParallelConfig(cp=2, ep=4, rank_order=["tp", "dp_replicate", "pp", "dp_shard", "cp"]).resolve(4)
+    assert fixed.ep == 4
+    # Without ep, or where the expert lines still ascend (ep within cp, one rank per dp_shard line), accepted.
+    ParallelConfig(cp=2, rank_order=order).resolve(4)
+    ParallelConfig(cp=2, dp_shard=4, ep=2, rank_order=order).resolve(8)
+
+
 @pytest.mark.parametrize(
     "kwargs,needle",
     [

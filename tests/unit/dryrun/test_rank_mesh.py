@@ -43,7 +43,12 @@ def test_every_rank_sees_what_the_real_mesh_says(section, world):
 # size-1 dims (init_device_mesh made four); tp2 x dp_shard2: dp_shard, tp, the one-rank group and
 # torch's three flattened meshes (dp, dp_shard_cp, dp_cp: same members as dp_shard; was 8).
 GROUP_LAYOUTS = [(*layout, None) for layout in LAYOUTS] + [
-    ({"dp_shard": "auto"}, 4, 1), ({"tp": 2, "dp_shard": "auto"}, 4, 6), ({"tp": 4}, 4, None)]  # fmt: skip
+    ({"dp_shard": "auto"}, 4, 1), ({"tp": 2, "dp_shard": "auto"}, 4, 6), ({"tp": 4}, 4, None),
+    # ep under rank orders that keep dp_replicate, dp_shard, cp in that relative order (others are refused)
+    ({"cp": 2, "dp_shard": "auto", "ep": 4, "rank_order": ["tp", "dp_replicate", "pp", "dp_shard", "cp"]}, 4, None),
+    ({"dp_replicate": 2, "cp": 2, "dp_shard": "auto", "ep": 2, "rank_order": ["dp_replicate", "tp", "dp_shard", "pp",
+                                                                              "cp"]}, 8, None),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("section,world,groups", GROUP_LAYOUTS)
@@ -61,7 +66,7 @@ def test_each_name_has_a_group_of_its_members_in_mesh_order_and_size_1_dims_shar
                 # The group's members are the mesh's ranks along n, and a member's rank in the
                 # group is its coordinate on the mesh (collectives and DTensor placements agree).
                 assert dist.get_process_group_ranks(group) == sorted(mesh.mesh.flatten().tolist()), (n, rank)
-                assert dist.get_group_rank(group, rank) == real.local_rank(n), (n, rank)
+                assert dist.get_group_rank(group, rank) == mesh.get_coordinate()[0], (n, rank)
             ones = {id(real.group(n)) for n in layout.rank_order if real.size(n) == 1}
             assert len(ones) <= 1, f"the size-1 dims have {len(ones)} one-rank groups"
             if layout.ep > 1:

@@ -27,7 +27,7 @@ CALLS = {
 SHAPES = [(5, 3), (37, 13), (64, 64), (1000, 33)]  # 15 (< 16), 481 and 33,000 (% 16 != 0), 4,096
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("call", CALLS.values(), ids=CALLS.keys())
 def test_chunked_draw_leaves_the_generator_where_the_whole_draw_does(call, dtype):
     for shape in SHAPES:
@@ -79,6 +79,32 @@ def test_anything_but_one_whole_contiguous_uniform_or_normal_is_drawn_whole(call
     before = torch.get_rng_state()
     assert observe(call, (torch.empty(64, 32, dtype=dtype, device="meta"),), {}) is None
     assert torch.equal(torch.get_rng_state(), before)  # observing drew nothing, even on a real tensor
+
+
+def test_empty_tensors_record_as_before():
+    """Zero elements: nothing to chunk (drawn whole, which draws nothing); the build still records."""
+    assert observe(lambda t: t.normal_(), (torch.empty(0, device="meta"),), {}) is None
+    torch.manual_seed(2)
+    nn.Linear(4, 0), nn.Embedding(0, 8), torch.randn(1, 0, 8)
+    after_eager = torch.rand(3)
+    torch.manual_seed(2)
+    with recording(InitLog()):
+        nn.Linear(4, 0), nn.Embedding(0, 8), torch.randn(1, 0, 8)
+    assert torch.equal(torch.rand(3), after_eager)
+
+
+def test_a_factory_that_lands_on_cpu_under_the_meta_context_draws_once():
+    """torch.normal(mean, std, size) is not one of torch.device's factories: under the recording's
+    meta context it makes a CPU tensor and draws for real; the recorder must not draw it again."""
+    torch.manual_seed(6)
+    torch.normal(0.0, 1.0, (40, 8)), nn.Linear(8, 8)
+    after_eager = torch.rand(3)
+    torch.manual_seed(6)
+    with recording(InitLog()):
+        real = torch.normal(0.0, 1.0, (40, 8))
+        nn.Linear(8, 8)
+    assert not real.is_meta
+    assert torch.equal(torch.rand(3), after_eager)
 
 
 def test_chunk_sizes_are_multiples_of_16_but_the_last_which_has_at_least_16():
