@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, Mapping, Union
 
 from datetime import timedelta
 
+import torch
 from pydantic import AfterValidator, BeforeValidator, Field
 from torch.distributed.constants import default_pg_timeout
 
@@ -271,6 +272,27 @@ class Layout:
         parts = [f"{d}={getattr(self, d)}" for d in self.rank_order]
         return " x ".join(parts) + f" (ep={self.ep}) = {self.world_size} ranks"
 
+    def expert_ranks(self) -> torch.Tensor:
+        """The global ranks as the expert mesh reads them, dims (pp, dp_replicate, edp_shard, ep, tp):
+        ranks are row-major over ``rank_order``; dp_shard x cp is read dp_shard-major and cut into
+        (edp_shard, ep), so ep borrows ranks that already hold different tokens."""
+        ranks = torch.arange(self.world_size, dtype=torch.int).reshape([getattr(self, d) for d in self.rank_order])
+        ranks = ranks.permute([self.rank_order.index(d) for d in DEFAULT_RANK_ORDER])
+        edp_shard = self.dp_shard * self.cp // self.ep
+        return ranks.reshape(self.pp, self.dp_replicate, edp_shard, self.ep, self.tp).contiguous()
+
+    def expert_misread(self) -> str | None:
+        """The expert dim (``edp_shard``, ``ep``, ``edp``) along which the ranks do not ascend, or None.
+        A process group orders its members by global rank, the mesh by its coordinates: they
+        agree only where the ranks ascend along every line of the dim."""
+        ranks = self.expert_ranks()
+        lines = {
+            "edp_shard": ranks.movedim(2, -1).reshape(-1, ranks.shape[2]),
+            "ep": ranks.movedim(3, -1).reshape(-1, ranks.shape[3]),
+            "edp": ranks.permute(0, 3, 4, 1, 2).reshape(-1, ranks.shape[1] * ranks.shape[2]),  # dp_replicate x edp_shard
+        }
+        return next((name for name, line in lines.items() if not bool((line[:, 1:] > line[:, :-1]).all())), None)
+
 
 def _coerce_enum(enum_cls: type[Enum], value: Any, name: str) -> Any:
     """``value`` as a member of ``enum_cls`` (member, value or name), or a LayoutError naming ``name``."""
@@ -319,55 +341,24 @@ def resolve_layout(config: ParallelConfig, world_size: int) -> Layout:
             f"ep={ep} must divide dp_shard*cp={borrow} (expert parallelism borrows those ranks); "
             f"valid ep values here: {_divisors(borrow)}."
         )
-    if ep > 1:
-        order = tuple(config.rank_order)
-        misread = _expert_lines_misread(sizes, ep, order)
-        if misread is not None:
-            data = [d for d in order if d in _EXPERT_READ_ORDER]
-            fixed_order = list(order)
-            for position, dim in zip(sorted(order.index(d) for d in data), _EXPERT_READ_ORDER):
-                fixed_order[position] = dim
-            raise LayoutError(
-                f"rank_order={list(order)} with ep={ep}: the expert groups read the ranks of dp_replicate, dp_shard "
-                f"and cp in that order, and in this rank order a rank's place along {misread} is not its rank in "
-                f"that group's collectives (expert shards would be exchanged out of place). Keep dp_replicate, "
-                f"dp_shard, cp in that relative order: rank_order={fixed_order}."
-            )
-    return Layout(**sizes, ep=ep, rank_order=config.rank_order)
+    layout = Layout(**sizes, ep=ep, rank_order=config.rank_order)
+    misread = layout.expert_misread() if ep > 1 else None
+    if misread is not None:
+        order = list(layout.rank_order)
+        fixed_order = list(order)
+        for position, dim in zip(sorted(order.index(d) for d in _EXPERT_READ_ORDER), _EXPERT_READ_ORDER):
+            fixed_order[position] = dim
+        raise LayoutError(
+            f"rank_order={order} with ep={ep}: the expert groups read the ranks of dp_replicate, dp_shard "
+            f"and cp in that order, and in this rank order a rank's place along {misread} is not its rank in "
+            f"that group's collectives (expert shards would be exchanged out of place). Keep dp_replicate, "
+            f"dp_shard, cp in that relative order: rank_order={fixed_order}."
+        )
+    return layout
 
 
-# The order in which the expert mesh (lightning_5d/mesh.py) reads the data dims' ranks: ep and
-# edp_shard cut dp_shard x cp (dp_shard outer), edp is dp_replicate x edp_shard.
+# The order in which the expert mesh reads the data dims' ranks (Layout.expert_ranks).
 _EXPERT_READ_ORDER = ("dp_replicate", "dp_shard", "cp")
-
-
-def _expert_lines_misread(sizes: Mapping[str, int], ep: int, order: tuple[str, ...]) -> str | None:
-    """The expert mesh dim (``ep``, ``edp_shard``, ``edp``) whose ranks do not ascend along it, or None.
-
-    A process group orders its members by global rank, the mesh by its own coordinates; they
-    agree where the ranks ascend along every line of the dim. Global ranks are row-major over
-    ``order``, so a rank is linear in the coordinates: lines through coordinate 0 of the
-    other dims stand for all."""
-    stride, step = {}, 1
-    for d in reversed(order):
-        stride[d] = step
-        step *= sizes.get(d, 1)
-    dp_shard, cp, dp_replicate = sizes["dp_shard"], sizes["cp"], sizes["dp_replicate"]
-    edp_shard = dp_shard * cp // ep
-
-    def rank(replica: int, shard: int, expert: int) -> int:
-        data, context = divmod(shard * ep + expert, cp)
-        return replica * stride["dp_replicate"] + data * stride["dp_shard"] + context * stride["cp"]
-
-    def ascending(ranks: list[int]) -> bool:
-        return all(a < b for a, b in zip(ranks, ranks[1:]))
-
-    lines = {
-        "ep": [[rank(0, s, e) for e in range(ep)] for s in range(edp_shard)],
-        "edp_shard": [[rank(0, s, e) for s in range(edp_shard)] for e in range(ep)],
-        "edp": [[rank(r, s, e) for r in range(dp_replicate) for s in range(edp_shard)] for e in range(ep)],
-    }
-    return next((name for name, group in lines.items() if not all(ascending(line) for line in group)), None)
 
 
 def _product_text(sizes: Mapping[str, Any]) -> str:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_5d.config import Layout
+from lightning_5d.config import DEFAULT_RANK_ORDER, Layout
 
 # name -> the real dims it spans. Order inside each tuple follows the rank order at runtime.
 FLATTENED = {
@@ -33,7 +33,7 @@ FLATTENED = {
 # expert parallelism borrows ranks that already hold different tokens, as in Megatron
 # and torchtitan, so it does not grow the world.
 EXPERT_DIMS = ("pp", "dp_replicate", "edp_shard", "ep", "tp")
-_CANONICAL = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+_CANONICAL = DEFAULT_RANK_ORDER  # the order the expert and context cuts below read the dims in
 
 
 def _root_mesh(device_type: str, layout: Layout) -> DeviceMesh:
@@ -77,7 +77,7 @@ def _enumerated_group(
 ) -> dist.ProcessGroup:
     """This rank's group along ``ranks``' dim ``dim``: every line of ranks along it is a group.
     A group orders its members by rank, the mesh by coordinate: the lines must ascend, which
-    ``resolve_layout`` ensures for the expert mesh's rank orders (config.py, ``_expert_lines_misread``)."""
+    ``resolve_layout`` ensures for the expert mesh (``Layout.expert_misread``)."""
     size = ranks.shape[dim]
     if size == 1:
         return one_rank_group()
@@ -108,9 +108,8 @@ class ParallelMesh:
             self._flat["edp_shard"] = self.expert_root["edp_shard"]
 
     def _expert_mesh(self) -> DeviceMesh:
-        lay = self.layout
-        ranks = self.root.mesh.permute([lay.rank_order.index(d) for d in _CANONICAL])
-        ranks = ranks.reshape(lay.pp, lay.dp_replicate, lay.dp_shard * lay.cp // lay.ep, lay.ep, lay.tp).contiguous()
+        # Its lines ascend (resolve_layout refuses a rank order where they do not: Layout.expert_misread).
+        ranks = self.layout.expert_ranks()
         # pp, dp_replicate and tp hold the same ranks as the root's dims of those names.
         groups = [self.root.get_group(d) if d in _CANONICAL else _enumerated_group(ranks, i, self._one_rank_group)
                   for i, d in enumerate(EXPERT_DIMS)]  # fmt: skip
