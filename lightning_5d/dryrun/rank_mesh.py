@@ -58,12 +58,13 @@ class RankMesh:
         for name, dims in FLATTENED.items():
             self._dims[name] = self._flat(name, [d for d in layout.rank_order if d in dims])
         if layout.ep > 1:
-            # dp_shard x cp in canonical order (dp_shard outer), cut into (edp_shard, ep).
-            inner = self.coords["dp_shard"] * layout.cp + self.coords["cp"]
-            edp_shard_size = layout.dp_shard * layout.cp // layout.ep
-            self._dims["ep"] = MeshDim("ep", layout.ep, inner % layout.ep, device_type)
-            self._dims["edp_shard"] = MeshDim("edp_shard", edp_shard_size, inner // layout.ep, device_type)
-            edp = self.coords["dp_replicate"] * edp_shard_size + inner // layout.ep
+            # This rank's place on the expert mesh's grid (pp, dp_replicate, edp_shard, ep, tp).
+            grid = layout.expert_ranks()
+            _, replica, shard, expert, _ = (grid == rank).nonzero()[0].tolist()
+            edp_shard_size = grid.shape[2]
+            self._dims["ep"] = MeshDim("ep", layout.ep, expert, device_type)
+            self._dims["edp_shard"] = MeshDim("edp_shard", edp_shard_size, shard, device_type)
+            edp = replica * edp_shard_size + shard
             self._dims["edp"] = MeshDim("edp", layout.dp_replicate * edp_shard_size, edp, device_type)
 
     def _coordinates(self) -> dict[str, int]:
