@@ -18,7 +18,7 @@ from torch import nn
 from lightning_5d.config import LayoutError
 from lightning_5d.parallel.context import ContextParallel, ContextParallelError
 from lightning_5d.parallel.data import ZeroSet
-from lightning_5d.parallel.data.fsdp import set_gradient_sync
+from lightning_5d.parallel.data.fsdp import set_gradient_sync, unit_is_gathered
 from lightning_5d.parallel.expert import ExpertParallel, ExpertParallelError
 from lightning_5d.parallel.grad_norm import clip_grad_norm_
 from lightning_5d.parallel.pipeline import PipelineLoop, PipelineMode, PipelineParallel
@@ -184,6 +184,20 @@ class AppliedDimensions:
         self.pp_loop.restore_gradients()
         self.finish_gradient_sync()  # no hook fired during the schedule: reduce all of them now
         self.sync_sequence_parallel(module, accumulating)  # the schedule's run reduced them (pipeline/fsdp.py)
+
+    def check_units_sharded(self) -> None:
+        """Raise if a ZeRO-3 unit is still gathered when the optimizers are about to be built: its
+        registered parameters are then FSDP2's unsharded copies, which the optimizer would update
+        while training computes with the shards (a stage that silently never trains). Setup
+        reshards every unit it gathers; this guards that promise."""
+        gathered = [type(u).__name__ for u in self.fsdp_units if unit_is_gathered(u)]
+        if gathered:
+            raise RuntimeError(
+                f"lightning_5d internal error: {len(gathered)} ZeRO-3 units ({', '.join(gathered[:4])}) are still "
+                f"gathered after setup, so the optimizer would hold their unsharded copies and never train them. "
+                f"Please report it with the layout; FiveDStrategy(verify='off') avoids the start-up check that "
+                f"gathers them."
+            )
 
     # ------------------------------------------------------------------ clip
     @property

@@ -36,6 +36,7 @@ from lightning_5d.config import (
     PipelineSchedule,
     ZeroStage,
 )
+from lightning_5d.heap import release_freed_memory
 from lightning_5d.materialize import MetaBuild
 from lightning_5d.layout_rules import (
     Combination,
@@ -144,7 +145,11 @@ class Discover(Step):
         return ctx.plan_needed
 
     def apply(self, ctx: ApplyContext) -> None:
-        ctx.plan = discover(ctx.module, ctx.config.model_plan)
+        # A meta-built model's probe forwards compute with its recorded initial values.
+        values = (lambda: ctx.meta.values(ctx.module)) if ctx.meta_built else None
+        ctx.plan = discover(ctx.module, ctx.config.model_plan, values=values)
+        if ctx.meta_built:
+            release_freed_memory()  # the probes' recomputed values, before the rank's shards are filled
         rank_zero_info(f"[lightning_5d] model plan:\n{describe(ctx.plan)}")
 
 
@@ -323,7 +328,9 @@ class Data(Step):
 
     def _fsdp(self, ctx: ApplyContext) -> None:
         applied, precision, module, ep = ctx.applied, ctx.precision, ctx.module, ctx.layout.ep
-        _, blocks = find_blocks(module)
+        # A pipeline stage's blocks from the pipeline (its ModuleDict of blocks keeps global keys: with
+        # find_blocks the last stage found none, and each of its linears and norms became a unit).
+        blocks = applied.pp.held_blocks if applied.pp is not None else find_blocks(module)[1]
         policy = precision.fsdp_policy() if precision is not None else None
         inner = apply_expert_fsdp(applied.ep, ctx.mesh, policy) if ep > 1 else []
         if ctx.fp8 and precision.fp8.fp8_all_gather:

@@ -255,6 +255,7 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
         self._load_pretrained()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
+            self._applied.check_units_sharded()
             self.setup_optimizers(trainer)
             if self._applied.zero is not None:
                 for optimizer in self.optimizers:

@@ -11,6 +11,7 @@ from torch import nn
 from lightning_5d.materialize.draws import CHUNK_BYTES
 from lightning_5d.materialize.apply import capture, has_meta, materialize, to_device_except_meta
 from lightning_5d.materialize.record import InitLog, Ref, recording
+from lightning_5d.materialize.stand_in import RecordedValues, recorded_values
 
 
 class MetaBuild:
@@ -48,6 +49,12 @@ class MetaBuild:
             return
         with context(empty_init=True):
             module.configure_model()
+
+    def values(self, module: nn.Module) -> RecordedValues:
+        """A mode in which ``module``'s meta tensors compute with their recorded values (discovery's
+        probe forwards: :mod:`.stand_in`); only before :meth:`materialize`."""
+        assert self.refs is not None
+        return recorded_values(module, self.log)
 
     def to_device(self, module: nn.Module, device: torch.device) -> None:
         to_device_except_meta(module, device)

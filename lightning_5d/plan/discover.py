@@ -12,8 +12,10 @@ its notes say which parts came from the others.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
+from typing import Any, ContextManager
 
 from torch import nn
 
@@ -75,12 +77,16 @@ def discover(
     explicit: Mapping[str, str] | None = None,
     *,
     sources: Iterable[PlanSource] = SOURCE_ORDER,
+    values: Callable[[], ContextManager[Any]] | None = None,
 ) -> ModelPlan:
     """The :class:`ModelPlan` of ``module`` (usually the LightningModule around the model).
 
     ``explicit`` maps module-path patterns to roles (see :mod:`lightning_5d.plan.explicit`).
     ``sources`` restricts which sources are consulted (for tests and debugging); the
-    order is always the one above. Raises ``ModelMappingError`` naming the missing
+    order is always the one above. ``values``: for a model built on the meta device, a context
+    in which it computes with its recorded initial values (``MetaBuild.values``), so the probe
+    forwards observe what they observe on an eager build; without it a meta model is not run
+    and what the probes decide is assumed (noted in the plan). Raises ``ModelMappingError`` naming the missing
     part, with a ``model_plan`` snippet that would fix it, and ``PlanConflictError``
     for an explicit plan that contradicts itself or the model.
     """
@@ -88,7 +94,11 @@ def discover(
     pattern_sources = _pattern_sources(module, explicit or {}, use)
     top = _merge_top(module, pattern_sources, use)
     blocks = _merge_blocks(module, top.hints, pattern_sources, use)
-    observed = _observe_attention(module, top.hints, blocks) if PlanSource.STRUCTURAL in use else {}
+    probe = _probe_context(module, values)
+    observed: dict[int, ObservedAttention] = {}
+    if PlanSource.STRUCTURAL in use and probe is not None:
+        with probe():
+            observed = _observe_attention(module, top.hints, blocks)
     blocks = [_with_observed(b, observed.get(i)) for i, b in enumerate(blocks)]
     origins = [top.origin] + [b.origin for b in blocks]
     source = _primary_source(origins)
@@ -100,7 +110,18 @@ def discover(
             f"the probe's attention call (q, k, v traced to the linears feeding them)"
         )
     plan = assemble.build(module, top.hints, [b.hints for b in blocks], source, notes)
-    return observe.observe(module, _mark_head_bias(plan, observed))
+    return observe.observe(module, _mark_head_bias(plan, observed), probe)
+
+
+def _probe_context(module: nn.Module, values: Callable[[], ContextManager[Any]] | None):
+    """What the probe forwards run in: nothing special for a model with weights, ``values`` for
+    one on the meta device (None without it: such a model is not run)."""
+    if not any(p.is_meta for p in module.parameters()):
+        return nullcontext
+    if values is None:
+        return None
+    context = values()  # one for every probe: a value recomputed for one is kept for the next
+    return lambda: context
 
 
 def _incomplete(hints: BlockHints) -> bool:
@@ -111,10 +132,8 @@ def _incomplete(hints: BlockHints) -> bool:
 
 def _observe_attention(module: nn.Module, top: TopHints, blocks: Sequence[Merged]) -> dict[int, ObservedAttention]:
     """Watch the attention calls when names left a block's projections incomplete (one probe
-    forward for the whole model; only with real weights: a meta model cannot run)."""
+    forward for the whole model, in the caller's probe context)."""
     if top.embedding is None or top.blocks is None or not any(_incomplete(b.hints) for b in blocks):
-        return {}
-    if any(p.is_meta for p in module.parameters()):
         return {}
     found = observe_attention(module, top.blocks, lambda: observe.run_on_ids(module, top.embedding, top.blocks))
     return {i: o for i, o in found.items() if _incomplete(blocks[i].hints)}

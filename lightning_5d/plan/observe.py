@@ -25,8 +25,9 @@ sequence shard its global positions.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
+from typing import Any, ContextManager
 
 import torch
 from torch import Tensor, nn
@@ -49,15 +50,42 @@ class _Capture:
     row_input: Tensor | None = None
 
 
-def observe(root: nn.Module, plan: ModelPlan) -> ModelPlan:
+def observe(root: nn.Module, plan: ModelPlan, probe: Callable[[], ContextManager[Any]] | None = nullcontext) -> ModelPlan:
     """``plan`` with the layout of every fused projection set from what the forward does,
-    and whether the model uses token positions at all."""
-    if any(p.is_meta for p in root.parameters()):
+    and whether the model uses token positions at all. The forwards run inside ``probe()``
+    (a meta-built model's recorded values: :mod:`lightning_5d.materialize.stand_in`); None:
+    the model cannot run (weights on the meta device and nothing recorded)."""
+    if probe is None:
         return _noted(plan, "fused projection layouts not observed (weights on the meta device); assumed")
-    plan = _observe_positions(root, plan)
-    plan = replace(plan, loose_params=_loose_params(root, plan))
+    with probe():
+        plan = _observe_positions(root, plan)
+        plan = replace(plan, loose_params=_loose_params(root, plan))
+    plan = _observe_sites(root, plan, probe)
+    with probe():
+        return _observe_fused(root, plan)
+
+
+def _observe_sites(root: nn.Module, plan: ModelPlan, probe: Callable[[], ContextManager[Any]]) -> ModelPlan:
+    """The attention's shape sites (:mod:`.shape_sites`). They need sizes only, so a model on the
+    meta device runs on meta ids first, recomputing no value (for a Hugging Face model these are
+    discovery's only probe forwards); in ``probe()`` only where its forward cannot run on meta (a
+    step that reads values, such as ``.item()``)."""
+    ran: list[bool] = []
+
+    def run(shape: tuple[int, int]) -> bool:
+        ran.append(_run(root, plan, shape))
+        return ran[-1]
+
     with eval_mode(root):
-        plan = shape_sites.observe_sites(root, plan, lambda shape: _run(root, plan, shape))
+        if any(p.is_meta for p in root.parameters()):
+            sited = shape_sites.observe_sites(root, plan, run)
+            if all(ran):  # ran on meta (or had nothing to look for)
+                return sited
+        with probe():
+            return shape_sites.observe_sites(root, plan, lambda shape: _run(root, plan, shape))
+
+
+def _observe_fused(root: nn.Module, plan: ModelPlan) -> ModelPlan:
     targets = _targets(plan)
     if not targets:
         return plan

@@ -28,7 +28,7 @@ from lightning_5d.module_mode import eval_mode
 from lightning_5d.config import ParallelConfig, VerifyMode, ZeroStage
 from lightning_5d.heap import release_freed_memory
 from lightning_5d.parallel.pipeline import PipelineMode
-from lightning_5d.parallel.pipeline.fsdp import drop_held_gradients
+from lightning_5d.parallel.pipeline.fsdp import drop_held_gradients, fsdp_roots
 from lightning_5d.plan import discover
 from lightning_5d.plan.model_plan import ModelPlan
 from lightning_5d.verify.agree import first_failure
@@ -213,7 +213,7 @@ class PlanCheck:
 
         # The parallel pieces' backward (grads.py) runs in the probe's context, ZeRO-3 units gathered one at a time.
         parallel = ParallelGrads(lambda: _probe_context(batch, cp, precision), unit_owners(module) if grads else {},
-                                 tp, cp, self.config.zero == ZeroStage.PARAMETERS)  # fmt: skip
+                                 tp, cp, self.config.zero == ZeroStage.PARAMETERS, fsdp_roots(module))  # fmt: skip
         # Under bf16 mixed / FP8 a piece computes in bf16 even where its output is float32 (a model
         # that adds a float32 buffer to its activations keeps a float32 residual stream).
         compute_dtype = getattr(precision, "param_dtype", None)

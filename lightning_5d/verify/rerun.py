@@ -27,11 +27,11 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lightning_5d.module_mode import eval_mode
@@ -48,6 +48,7 @@ class ParallelGrads:
     tp: Any | None = None  # the strategy's TensorParallel
     cp: Any | None = None  # the strategy's ContextParallel
     zero3: bool = False
+    roots: Sequence[FSDPModule] = ()  # the ZeRO-3 root units (:func:`fsdp_roots`), reset after each piece
 
     def of(
         self, live: nn.Module, prefix: str, args: tuple, kwargs: dict, names: list[str]
@@ -58,7 +59,7 @@ class ParallelGrads:
 
         A collective (ZeRO-3 gathers, tp/cp inside the piece, the sums): every rank holding the
         piece calls it in the same order."""
-        with eval_mode(live), gathered(live, self.owners):  # eval as in the probe: dropout off
+        with eval_mode(live), gathered(live, self.owners, self.roots):  # eval as in the probe: dropout off
             params = dict(live.named_parameters())
             if any(isinstance(params[n], DTensor) for n in names):
                 return None
@@ -86,10 +87,11 @@ def unit_owners(root: nn.Module) -> dict[int, FSDPModule]:
 
 
 @contextmanager
-def gathered(live: nn.Module, owners: dict[int, FSDPModule]) -> Iterator[None]:
+def gathered(live: nn.Module, owners: dict[int, FSDPModule], roots: Sequence[FSDPModule] = ()) -> Iterator[None]:
     """``live``'s parameters unsharded while inside (FSDP2 registers the unsharded tensors on
-    the modules), resharded after. A collective over each unit's data ranks: every rank that
-    holds the piece enters it in the same order. Nothing to do without ZeRO-3."""
+    the modules), every unit resharded after (``roots``: the model's root units). A collective
+    over each unit's data ranks: every rank that holds the piece enters it in the same order.
+    Nothing to do without ZeRO-3."""
     units: list[FSDPModule] = []
     for p in live.parameters():
         unit = owners.get(id(p))
@@ -102,6 +104,16 @@ def gathered(live: nn.Module, owners: dict[int, FSDPModule]) -> Iterator[None]:
     finally:
         for unit in units:
             unit.reshard()
+        # The rerun calls the piece's inner units as modules: their FSDP2 hooks ran a forward and a
+        # backward outside any root's iteration (no root forward, no final callback), which leaves
+        # groups in FORWARD state, where ``reshard()`` does nothing for a unit training keeps gathered
+        # after its forward, and the backward's pre-hooks gather ahead the unit that ran before in the
+        # probe, of another piece. Left so, their parameters stayed registered unsharded and the
+        # optimizer, built after setup, held those instead of the shards: tests/zoo's
+        # moduledict_layers under tp2 x pp2 x ZeRO-3 (one unit per linear and norm on the last
+        # stage) trained nothing there, silently. Each root's recovery reshards every unit.
+        for root in roots:
+            root.reset_iter_state()
 
 
 def rerun(live: nn.Module, args: tuple, kwargs: dict) -> Any:

@@ -1,6 +1,8 @@
 """The zoo matrix as tests: models written in other styles than this project's own tests
-(tests/zoo) under zero3, tp2, tp2+sp, cp2, pp2, fp8, tp2 x pp2 and tp2+sp x cp2 x pp2,
-each against one process (scripts/zoo_matrix.py says how cells are run and judged).
+(tests/zoo) under zero3, tp2, tp2+sp, cp2, pp2, fp8, tp2 x pp2, tp2+sp x cp2 x pp2, pp2 x zero3
+and tp2 x pp2 x zero3, and built on the meta device under zero3, tp2+sp, cp2, pp2 and
+tp2 x pp2 x zero3, each against one process built eagerly (scripts/zoo_matrix.py says how cells
+are run and judged).
 
 The fast tier runs FAST: cells that pass today, all on 2 processes, trained in one launch.
 The whole matrix is on demand (`-m extended`): a cell passes the test when it trains to the
@@ -12,7 +14,7 @@ import pytest
 
 from zoo_matrix import BY_ID, outcome_of, run_cells
 
-# Nine models of nine styles in thirteen cells (five layouts), each passing today, all on 2 processes (one launch):
+# Nine models of nine styles in seventeen cells, each passing today: 2 processes (one launch) but the last:
 FAST = [
     "kwargs_forward__tp2psp",  # hand-written, keyword-only forwards, q/k/v biases: tp + sequence parallelism
     "phi3__cp2",  # Hugging Face Phi-3 (fused qkv_proj and gate_up_proj): context parallelism
@@ -28,6 +30,12 @@ FAST = [
     "direct_lm__cp2",  # no position encoding, parameters on the LightningModule: cp needs no positions
     "plain_torch__cp2",  # rotary angles from torch.arange(s) inside attention: the shard's global positions
     "nested_lists__cp2",  # ALiBi proven from its float attn_mask: ring attention rebuilds it from global positions
+    # Built on the meta device: discovery's probes compute with the recorded values (materialize/stand_in.py).
+    "gpt_neox__tp2pspmeta",  # its per-head interleaved query_key_value observed (assumed [q|k|v] before: wrong)
+    "moduledict_layers__pp2meta",  # the raw positions parameter seen read before the first block
+    "torch_encoder__cp2meta",  # where the model reads positions, found by the probe
+    # 8 processes (a second launch): the last stage's units trained nothing here before (verify/rerun.py).
+    "moduledict_layers__tp2xpp2xzero3",
 ]
 # Cells that were refused and now train equal to one process (on demand, `-m extended`):
 FIXED = [

@@ -78,3 +78,33 @@ def test_a_meta_build_recomputes_the_eager_values_or_is_refused(name):
     replay = Replay(log)
     for ref_name, ref in refs.items():
         assert torch.equal(replay.value(ref), expected[ref_name]), ref_name
+
+
+@pytest.mark.parametrize("name", [*zoo.MODELS, *zoo.VARIANTS])
+def test_a_meta_build_is_discovered_as_its_eager_build(name):
+    """Discovery's probe forwards on a meta build compute with the recorded values
+    (lightning_5d/materialize/stand_in.py), so every zoo style gets the plan its eager build gets:
+    fused layouts, position reads, shape sites, loose parameters, attention traced to its linears.
+    Without them 10 of these 18 plans differed or were refused (GPT-NeoX's per-head interleaved
+    query_key_value cut as [q|k|v]; nested blocks with no attention found)."""
+    from dataclasses import replace
+
+    from lightning_5d.materialize import InitLog, recording
+    from lightning_5d.materialize.apply import capture
+    from lightning_5d.materialize.stand_in import recorded_values
+    from lightning_5d.plan import discover
+
+    if name in zoo.HUGGING_FACE:
+        pytest.importorskip("transformers")
+    if "einops" in name:
+        pytest.importorskip("einops")
+    L.seed_everything(0, verbose=False)
+    expected = discover(zoo.build(name))
+    L.seed_everything(0, verbose=False)
+    log = InitLog()
+    with recording(log):
+        meta = zoo.build(name)
+    capture(meta, log)
+    plan = discover(meta, values=lambda: recorded_values(meta, log))
+    assert replace(plan, notes=()) == replace(expected, notes=())
+    assert all(p.is_meta for p in meta.parameters())

@@ -245,6 +245,11 @@ def _common_prefix(paths: list[list[str]]) -> list[str]:
     return prefix
 
 
+def unit_is_gathered(unit: FSDPModule) -> bool:
+    """Whether ``unit`` holds its parameters unsharded (FSDP2 then registers those on the module)."""
+    return any(group.is_unsharded for group in fully_shard.state(unit)._fsdp_param_groups)
+
+
 def set_gradient_sync(units: Sequence[FSDPModule], enabled: bool) -> None:
     for unit in units:
         unit.set_requires_gradient_sync(enabled, recurse=False)

@@ -75,11 +75,17 @@ def reset_stopped_forward(module: nn.Module) -> None:
     (below glibc's 32 MiB mmap threshold) then go back to the OS, or RSS keeps them (measured:
     the reset alone left the peak unchanged).
     """
-    roots = [u for u in module.modules() if isinstance(u, FSDPModule) and fully_shard.state(u)._is_root]
+    roots = fsdp_roots(module)
     for unit in roots:
         unit.reset_iter_state()
     if roots:
         release_freed_memory()
+
+
+def fsdp_roots(module: nn.Module) -> list[FSDPModule]:
+    """The ZeRO-3 root units in ``module`` (one per pipeline stage's model; FSDP2's recovery,
+    ``reset_iter_state``, runs on those), once their lazy init has named them roots."""
+    return [u for u in module.modules() if isinstance(u, FSDPModule) and fully_shard.state(u)._is_root]
 
 
 def reduce_held_gradients(units: Sequence[FSDPModule]) -> None:

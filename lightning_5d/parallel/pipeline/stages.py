@@ -224,6 +224,13 @@ class PipelineParallel:
         # reach of torch's division by m: the loss carries it instead (set by the strategy).
         self.divide_loss_by_microbatches = False
 
+    @property
+    def held_blocks(self) -> list[nn.Module]:
+        """This rank's blocks (of every stage it runs) in model order: what ZeRO-3 makes units of.
+        Read here, not found again in the cut model: a ``ModuleDict`` of blocks keeps its global
+        keys on a stage ("1", "2", ...), which no longer read as a block list from "0"."""
+        return [self._all_blocks[k] for k in sorted(self._all_blocks, key=int)]
+
     # ------------------------------------------------------------------ placement
     def _part_paths(self) -> list[str]:
         p = self.plan

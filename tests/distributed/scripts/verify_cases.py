@@ -74,14 +74,14 @@ CASES = {
 }
 
 
-def guessed(root, plan):
+def guessed(root, plan, probe=None):
     """Discovery's observation step, skipped: the plan keeps its name-and-shape guesses."""
     return plan
 
 
-def cut_plain(root, plan):
+def cut_plain(root, plan, *probe):
     """Every fused projection declared one plain tensor after observation: cut contiguously."""
-    plan = real_observe(root, plan)
+    plan = real_observe(root, plan, *probe)
     blocks = []
     for block in plan.block_plans:
         if block.mlp is not None and block.mlp.column[0].layout is not ColumnLayout.PLAIN:

@@ -1,7 +1,8 @@
 """Zoo-matrix cells (tests/distributed/test_zoo_matrix.py), one after another in the same processes.
 
-Each cell builds a zoo model (tests/zoo, in its own LightningModule) from seed 0 and trains
-it under FiveDStrategy with the cell's layout. Per cell, in ``<out>/<cell id>/``:
+Each cell builds a zoo model (tests/zoo, in its own LightningModule) from seed 0 (eagerly, or under
+``trainer.init_module(empty_init=True)`` for the ``(meta)`` layouts) and trains it under FiveDStrategy
+with the cell's layout. Per cell, in ``<out>/<cell id>/``:
 
 - trained: rank 0 writes ``result.json`` ({"losses", "seconds"}) and ``params.pt``;
 - refused (every rank raised an error of lightning_5d's own before finishing): rank 0 writes
@@ -89,7 +90,8 @@ def run_cell(cell: dict, out: Path, watchdog: Watchdog, model_plan: dict | None 
     if RANK == 0:
         (out / "started").write_text("")
     L.seed_everything(0, verbose=False)
-    module = zoo.build(cell["model"])
+    meta = cell.get("build") == "meta"
+    module = None if meta else zoo.build(cell["model"])
     pipeline = {"microbatches": cell["batch_size"]} if cell["pp"] > 1 else {}
     returned = RecordReturned()
     status: dict = {"rank": RANK}
@@ -106,10 +108,13 @@ def run_cell(cell: dict, out: Path, watchdog: Watchdog, model_plan: dict | None 
                             max_steps=cell["steps"], logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                             callbacks=[returned])  # fmt: skip
+        if meta:  # parameters on meta; each rank materializes its pieces with the eager build's values
+            with trainer.init_module(empty_init=True):
+                module = zoo.build(cell["model"])
         trainer.fit(module, datamodule=make_datamodule(batch_size=cell["batch_size"]))
     except Exception as error:
         info = {"type": type(error).__name__, "message": str(error), "refusal": is_refusal(error), "cause": cause(error),
-                "steps_run": len(module.losses) + len(returned.losses), "traceback": traceback.format_exc()[-4000:]}  # fmt: skip
+                "steps_run": len(module.losses if module is not None else []) + len(returned.losses), "traceback": traceback.format_exc()[-4000:]}  # fmt: skip
         (out / f"error_rank{RANK}.json").write_text(json.dumps(info, indent=1))
         if not info["refusal"]:
             # Recovering in these processes once let a later cp cell hang (twice in ~20 cp cells

@@ -52,14 +52,30 @@ LAYOUTS: dict[str, tuple[int, dict]] = {
     "fp8": (2, {"precision": "fp8-tensorwise"}),
     "tp2 x pp2": (4, {"tp": 2, "pp": 2}),
     "tp2+sp x cp2 x pp2": (8, {"tp": 2, "sp": True, "cp": 2, "pp": 2}),
+    "pp2 x zero3": (4, {"pp": 2, "zero": 3}),
+    # tp2 x pp2 x ZeRO-3 over dp2: where the plan verifier's gradient check left a stage's units
+    # gathered and the optimizer trained their unsharded copies (moduledict_layers, fixed).
+    "tp2 x pp2 x zero3": (8, {"tp": 2, "pp": 2, "zero": 3}),
 }
-DEFAULTS = dict(tp=1, sp=False, cp=1, pp=1, zero=1, precision="32-true", batch_size=BATCH_SIZE, steps=STEPS)
+# The same module built on the meta device (``trainer.init_module(empty_init=True)``): every
+# dimension cuts the meta model and each rank materializes only its pieces, replaying the
+# module's own initialization; judged against the same eager one-process run as every cell.
+META_LAYOUTS: dict[str, tuple[int, dict]] = {
+    "zero3 (meta)": (2, {"zero": 3, "build": "meta"}),
+    "tp2+sp (meta)": (2, {"tp": 2, "sp": True, "build": "meta"}),
+    "cp2 (meta)": (2, {"cp": 2, "build": "meta"}),
+    "pp2 (meta)": (2, {"pp": 2, "build": "meta"}),
+    "tp2 x pp2 x zero3 (meta)": (8, {"tp": 2, "pp": 2, "zero": 3, "build": "meta"}),
+}
+LAYOUTS.update(META_LAYOUTS)
+DEFAULTS = dict(tp=1, sp=False, cp=1, pp=1, zero=1, precision="32-true", batch_size=BATCH_SIZE, steps=STEPS,
+                build="eager")  # fmt: skip
 STATUSES = ("pass", "refused", "wrong loss", "crash")
 
 
 def make_cell(model: str, layout: str) -> dict:
     nproc, options = LAYOUTS[layout]
-    cell_id = f"{model}__{layout.replace(' ', '').replace('+', 'p')}"
+    cell_id = f"{model}__{re.sub(r'[ ()]', '', layout).replace('+', 'p')}"
     return {**DEFAULTS, **options, "model": model, "layout": layout, "nproc": nproc, "id": cell_id,
             "heads": list(zoo.HEADS[model])}  # fmt: skip
 
@@ -278,7 +294,7 @@ def outcome_of(cell: dict, root: Path) -> dict:
         again = judge(cell, confirm)
         outcome["confirmed"] = again["status"] == "wrong loss" and again.get("losses") == outcome.get("losses")
         outcome["rerun"] = {k: again.get(k) for k in ("status", "reason", "losses")}
-    keys = ("model", "layout", "nproc", "tp", "sp", "cp", "pp", "zero", "precision")
+    keys = ("model", "layout", "nproc", "tp", "sp", "cp", "pp", "zero", "precision", "build")
     return {**{k: cell[k] for k in keys}, "id": cell["id"], **outcome}
 
 
