@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 
 from lightning_5d.config import LayoutError
 from lightning_5d.parallel.context import ContextParallel, ContextParallelError
@@ -186,17 +187,20 @@ class AppliedDimensions:
         self.sync_sequence_parallel(module, accumulating)  # the schedule's run reduced them (pipeline/fsdp.py)
 
     def check_units_sharded(self) -> None:
-        """Raise if a ZeRO-3 unit is still gathered when the optimizers are about to be built: its
-        registered parameters are then FSDP2's unsharded copies, which the optimizer would update
-        while training computes with the shards (a stage that silently never trains). Setup
-        reshards every unit it gathers; this guards that promise."""
+        """Before the optimizers are built: every ZeRO-3 unit resharded, or raise. A gathered unit's
+        registered parameters are FSDP2's unsharded copies, which the optimizer would update while
+        training computes with the shards (a stage that silently never trains). A forward without
+        a backward leaves the root (and the last block) gathered by design, e.g. a validate before
+        this fit: each root's recovery reshards them. What is still gathered then is a bug."""
+        for unit in self.fsdp_units:
+            if fully_shard.state(unit)._is_root:
+                unit.reset_iter_state()
         gathered = [type(u).__name__ for u in self.fsdp_units if unit_is_gathered(u)]
         if gathered:
             raise RuntimeError(
                 f"lightning_5d internal error: {len(gathered)} ZeRO-3 units ({', '.join(gathered[:4])}) are still "
                 f"gathered after setup, so the optimizer would hold their unsharded copies and never train them. "
-                f"Please report it with the layout; FiveDStrategy(verify='off') avoids the start-up check that "
-                f"gathers them."
+                f"Please report it with the layout."
             )
 
     # ------------------------------------------------------------------ clip

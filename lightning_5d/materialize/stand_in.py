@@ -22,8 +22,12 @@ see the model's meta parameters before they are swapped.
 Memory: values are kept for reuse while they fit in ``budget`` bytes (by default the larger
 of the largest tensor and the model's bytes over the world size, i.e. about the share the
 rank is about to hold); past it each read recomputes its tensor and drops it after the call:
-the peak stays at the budget plus one tensor. Time: one recomputation of every tensor read,
-per probe forward, for tensors past the budget.
+without gradients the peak stays at the budget plus one tensor. A probe that runs with
+gradients (the fused-layout and attention-tracing probes) keeps what its graph saves, the
+weights included, until its backward: up to the whole model on the rank, for the models that
+need those probes (fused q/k/v or [gate|up] projections, attention projections names do not
+give). Time: one recomputation of every tensor read, per probe forward, for tensors past the
+budget.
 """
 
 from __future__ import annotations
@@ -51,8 +55,9 @@ _SHAPE_ONLY = frozenset(
                                           "is_floating_point", "is_complex", "is_contiguous", "storage_offset",
                                           "__len__", "ndimension", "is_signed")}
 )  # fmt: skip
-_DEVICE = Tensor.device.__get__
-_IS_META = Tensor.is_meta.__get__
+# Where a recorded tensor lives, as an eager build on CPU answers.
+_WHERE = {Tensor.device.__get__: _CPU, Tensor.is_meta.__get__: False, Tensor.is_cpu.__get__: True,
+          Tensor.is_cuda.__get__: False}  # fmt: skip
 
 
 class UnrecordedMetaTensor(RuntimeError):
@@ -75,18 +80,29 @@ class RecordedValues(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _SHAPE_ONLY:
             return func(*args, **kwargs)
-        if func == _DEVICE or func == _IS_META:
+        if func in _WHERE:
             recorded = bool(args) and isinstance(args[0], Tensor) and self._ref(args[0]) is not None
             if recorded:
-                return _CPU if func == _DEVICE else False
+                return _WHERE[func]
             return func(*args, **kwargs)
-        args, kwargs = map_leaves(self._real, (args, kwargs))
+        originals = {}  # id(value) -> the meta tensor it stands for, in this call
+        args, kwargs = map_leaves(lambda x: self._swap(x, originals), (args, kwargs))
         tensors = [x for x in leaves((args, kwargs)) if isinstance(x, Tensor)]
         if any(t.is_meta for t in tensors) and not all(t.is_meta for t in tensors):
             # torch lets some CPU kernels read a meta tensor (torch.mm gives numbers from nowhere):
             # a tensor with no recorded value must stop the probe, as it did before this mode.
             raise UnrecordedMetaTensor(f"{getattr(func, '__name__', func)} read a meta tensor the build did not record")
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        # A call that returns its input (``w.to(x.device)``, ``type_as`` of the same dtype, an in-place
+        # op) gives back the model's own tensor, as in an eager build: discovery's position reads
+        # tell a table read whole from another use by that identity.
+        return originals.get(id(out), out) if isinstance(out, Tensor) else out
+
+    def _swap(self, x: Any, originals: dict[int, Tensor]) -> Any:
+        value = self._real(x)
+        if value is not x and isinstance(value, Tensor):
+            originals[id(value)] = x
+        return value
 
     def _ref(self, t: Tensor) -> Ref | None:
         return self.log.ref(t) if t.is_meta else None
@@ -104,7 +120,9 @@ class RecordedValues(TorchFunctionMode):
         value = self.kept.get(ref)
         if value is None:
             try:
-                value = self.replay.value(ref)
+                # The replay sets the CPU generator before each draw; the user's stream stays as it was.
+                with torch.random.fork_rng(devices=[]):
+                    value = self.replay.value(ref)
             except Uninitialized:
                 return x
             self.recomputed += 1
