@@ -86,9 +86,9 @@ def discover(
     order is always the one above. ``values``: for a model built on the meta device, a context
     in which it computes with its recorded initial values (``MetaBuild.values``), so the probe
     forwards observe what they observe on an eager build; without it a meta model is not run
-    and what the probes decide is assumed (noted in the plan). Raises ``ModelMappingError`` naming the missing
-    part, with a ``model_plan`` snippet that would fix it, and ``PlanConflictError``
-    for an explicit plan that contradicts itself or the model.
+    and what the probes decide is assumed (noted in the plan). Raises ``ModelMappingError``
+    naming the missing part, with a ``model_plan`` snippet that would fix it, and
+    ``PlanConflictError`` for an explicit plan that contradicts itself or the model.
     """
     use = frozenset(PlanSource(s) for s in sources)
     pattern_sources = _pattern_sources(module, explicit or {}, use)

@@ -50,7 +50,9 @@ class _Capture:
     row_input: Tensor | None = None
 
 
-def observe(root: nn.Module, plan: ModelPlan, probe: Callable[[], ContextManager[Any]] | None = nullcontext) -> ModelPlan:
+def observe(
+    root: nn.Module, plan: ModelPlan, probe: Callable[[], ContextManager[Any]] | None = nullcontext
+) -> ModelPlan:
     """``plan`` with the layout of every fused projection set from what the forward does,
     and whether the model uses token positions at all. The forwards run inside ``probe()``
     (a meta-built model's recorded values: :mod:`lightning_5d.materialize.stand_in`); None:

@@ -31,7 +31,7 @@ from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lightning_5d.module_mode import eval_mode

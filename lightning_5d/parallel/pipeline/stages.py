@@ -229,7 +229,7 @@ class PipelineParallel:
         """This rank's blocks (of every stage it runs) in model order: what ZeRO-3 makes units of.
         Read here, not found again in the cut model: a ``ModuleDict`` of blocks keeps its global
         keys on a stage ("1", "2", ...), which no longer read as a block list from "0"."""
-        return [self._all_blocks[k] for k in sorted(self._all_blocks, key=int)]
+        return list(self._all_blocks.values())  # the container's order, kept when the cut filtered it
 
     # ------------------------------------------------------------------ placement
     def _part_paths(self) -> list[str]:
