@@ -4,7 +4,9 @@ The same ~0.5 B reference model on 4 CPU processes, built eagerly in ``__init__`
 meta device (``trainer.init_module(empty_init=True)``), under ``FiveDStrategy`` ZeRO-3,
 tp2 x ZeRO-3 (with TensorParallel's references as they were before the fix, and after), pp2 x
 ZeRO-3, and Lightning's ``ModelParallelStrategy`` with ``fully_shard`` per block in
-``configure_model`` (its meta-device init). Peak RSS above the rank's baseline (RSS before the
+``configure_model`` (its meta-device init). The ``_neox`` rows build Hugging Face GPT-NeoX of
+the same sizes (0.45 B): its fused, per-head interleaved ``query_key_value`` is what discovery
+observes with a forward and backward on the recorded initial values. Peak RSS above the rank's baseline (RSS before the
 model exists) divided by the fp32 bytes of the whole model; ours / theirs in the same run.
 """
 
@@ -43,6 +45,13 @@ VARIANTS = [
     ("ours_meta_zero3_verify_off_step", "`FiveDStrategy(zero=3, verify='off')`, first step, gathered in place"),
     ("ours_meta_zero3_verify_off_step_fsdp_gather",
      "`FiveDStrategy(zero=3, verify='off')`, first step, FSDP2's own gather"),
+    # A model whose fused projection discovery must observe with a backward (HF GPT-NeoX, same sizes).
+    ("lightning_meta_fsdp_neox", "GPT-NeoX: Lightning `ModelParallelStrategy`, `init_module(empty_init=True)`"),
+    ("ours_meta_tp2_zero3_verify_off_neox",
+     "GPT-NeoX: `FiveDStrategy(tp=2, zero=3, verify='off')`, `init_module(empty_init=True)`"),
+    ("ours_meta_tp2_zero3_neox", "GPT-NeoX: `FiveDStrategy(tp=2, zero=3)` (default `verify='auto'`: the check runs)"),
+    ("ours_meta_tp2_zero3_verify_off_neox_old_probe",
+     "GPT-NeoX: the same, discovery's probes as before (weights held by their graph)"),
 ]
 PARTIAL = Path(os.environ.get("STARTUP_MEMORY_PARTIAL", "/tmp/startup_memory_partial.json"))
 THEIRS = "lightning_meta_fsdp"
@@ -96,8 +105,9 @@ def run(quick: bool) -> dict:
         finally:
             PARTIAL.write_text(json.dumps(rows))
         above = [rank["peak"] - rank["baseline"] for rank in r["ranks"]]
+        whole = r["ranks"][0].get("model_bytes") or full  # the model the variant built (GPT-NeoX's differs)
         rows.append({"variant": variant, "label": label, "above_baseline": above, "max_above": max(above),
-                     "fraction": max(above) / full, "ranks": r["ranks"], "wall_s": r["wall_s"]})  # fmt: skip
+                     "fraction": max(above) / whole, "ranks": r["ranks"], "wall_s": r["wall_s"]})  # fmt: skip
     cmd = "python -m benchmarks run --only startup_memory" + (" --quick" if quick else "")
     if only:
         cmd = f"STARTUP_MEMORY_ONLY={','.join(only)} {cmd}"
@@ -106,7 +116,7 @@ def run(quick: bool) -> dict:
 
 def markdown(result: dict) -> str:
     full = result["full_bytes"]
-    theirs = next(r for r in result["rows"] if r["variant"] == THEIRS)
+    theirs_of = {r["variant"]: r for r in result["rows"] if r["variant"].startswith(THEIRS) and "error" not in r}
     lines = [
         f"Reference model {result['model']} ({full // 4 / 1e9:.2f} B parameters, {full / 2**20:,.0f} MiB in fp32), "
         f"{result['nproc']} CPU processes. Peak RSS per rank from start to `on_train_start` (after setup: dimensions "
@@ -125,7 +135,8 @@ def markdown(result: dict) -> str:
         if "error" in r:
             lines.append(f"| {r['label']} | failed: {r['error']} | | | | | |")
             continue
-        ratio = "" if r is theirs else f"{r['max_above'] / theirs['max_above']:.2f}"
+        theirs = theirs_of.get(THEIRS + ("_neox" if "neox" in r["variant"] else ""))
+        ratio = "" if theirs is None or r is theirs else f"{r['max_above'] / theirs['max_above']:.2f}"
         held = max(k["rss_after_setup"] - k["baseline"] for k in r["ranks"])
         note = " (rerun)" if r.get("rerun") else ""
         note += " (not rerun: previous run's row)" if r.get("kept") else ""

@@ -363,6 +363,68 @@ def keep_tp_references() -> None:
     TensorParallel._apply = apply_and_keep
 
 
+def old_probe() -> None:
+    """Discovery's probes on a meta build as they were before the saved weights were packed: each
+    recomputed parameter a leaf that wants a gradient (its graph node holds it), every value a
+    backward needs kept by the graph, no trim between recomputations, and values kept up to the
+    larger of the share and the largest tensor."""
+    import math
+
+    from lightning_5d.materialize import build, stand_in
+
+    real = stand_in.RecordedValues._real
+
+    def real_wanting_grad(self, x):
+        value = real(self, x)
+        if isinstance(x, torch.Tensor) and x.requires_grad and value is not x and torch.is_grad_enabled():
+            value = value.detach().requires_grad_(True)
+        return value
+
+    stand_in.RecordedValues._real = real_wanting_grad
+    stand_in.RecordedValues._pack = lambda self, t: t.detach()
+    stand_in.release_freed_memory = lambda: None
+
+    def old_budget(module, log, budget=None):
+        sizes = [t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()) if t.is_meta]
+        share = math.ceil(sum(sizes) / dist.get_world_size())
+        return stand_in.RecordedValues(log, max(max(sizes), share) if budget is None else budget)
+
+    build.recorded_values = old_budget
+
+
+class NeoXLM(L.LightningModule):
+    """Hugging Face GPT-NeoX (fused ``query_key_value``, interleaved per head): discovery observes
+    its column order with a forward and backward on the model's initial values."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        import transformers as tf
+
+        self.model = tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(
+            vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+            num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads, max_position_embeddings=64,
+            attention_dropout=0.0, hidden_dropout=0.0, tie_word_embeddings=False))  # fmt: skip
+
+    def training_step(self, batch, batch_idx):
+        logits = self.model(input_ids=batch["input_ids"]).logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+class HandShardedNeoXLM(NeoXLM):
+    """What a user writes for ModelParallelStrategy: ``fully_shard`` per block, then the root."""
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.gpt_neox.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+
 def fsdp_gather() -> None:
     """FSDP2's own gather for every unit: nothing gathers in place."""
     from lightning_5d.parallel.data import fsdp
@@ -386,7 +448,7 @@ def main() -> None:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         strategy = ModelParallelStrategy(data_parallel_size=int(os.environ["WORLD_SIZE"]), tensor_parallel_size=1)
-        cls = HandShardedLM
+        cls = HandShardedNeoXLM if "neox" in v else HandShardedLM
     else:
         tp = 2 if "tp2" in v else 1
         pp = 2 if "pp2" in v else 1
@@ -394,10 +456,12 @@ def main() -> None:
             keep_tp_references()
         if "fsdp_gather" in v:
             fsdp_gather()
+        if "old_probe" in v:
+            old_probe()
         # The default (auto) checks nothing under ZeRO-3 alone; verify_blocks forces the check there.
         verify = "off" if "verify_off" in v else "blocks" if "verify_blocks" in v else "auto"
         strategy = lightning_5d.FiveDStrategy(zero=3, tp=tp, pp=pp, pipeline={"microbatches": 2}, verify=verify)
-        cls = LlamaLM
+        cls = NeoXLM if "neox" in v else LlamaLM
     L.seed_everything(0, verbose=False)
     model = cls(config) if build == "eager" else None
     stop = StopBeforeStep(first_step="_step" in v)
@@ -413,11 +477,13 @@ def main() -> None:
         if phases is not None:
             phases.mark("build on meta: end")
             phases.phase = "after build"
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # the whole model, before any cut
     ids = torch.randint(0, config.vocab_size, (64, 17))
     data = [{"input_ids": row[:-1], "labels": row[1:]} for row in ids]
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=2, drop_last=True))
     # After setup: at on_train_start (the _step variants' fit has gone on through a step since).
-    record = {"baseline": baseline, "peak": stop.peak, "rss_after_setup": stop.rss_at_start}
+    record = {"baseline": baseline, "peak": stop.peak, "rss_after_setup": stop.rss_at_start,
+              "model_bytes": model_bytes}
     if stop.first_step:
         record["step_peaks"] = stop.step_peaks
     if phases is not None and os.environ.get("STARTUP_SMAPS"):
