@@ -169,16 +169,6 @@ def _backward_hooks(reference: nn.Module) -> bool:
     return any(m._backward_hooks or m._backward_pre_hooks for m in reference.modules())
 
 
-def saved_storages_of(piece: nn.Module, output: Any) -> set[int] | None:
-    """The storages the graph behind the piece's ``output`` saved for its backward, or None where a
-    backward could read a weight out of that graph's sight (module backward hooks; a graph that
-    cannot be seen whole: :func:`_saved_storages`). Tensor hooks are the caller's to check."""
-    out = _local(first_tensor(output))
-    if out is None or out.grad_fn is None or _backward_hooks(piece):
-        return None
-    return _saved_storages(out)
-
-
 def release_unsaved_weights(reference: nn.Module, output: Tensor) -> int:
     """Empty each of the reference piece's parameters its graph did not save.
 
@@ -193,7 +183,7 @@ def release_unsaved_weights(reference: nn.Module, output: Tensor) -> int:
     checks tensor hooks with :class:`HookWatch`). Returns the bytes emptied (freed unless
     another tensor shares the storage).
     """
-    saved = saved_storages_of(reference, output)
+    saved = None if _backward_hooks(reference) else _saved_storages(output)
     if saved is None:
         return 0
     freed = 0

@@ -35,7 +35,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lightning_5d.module_mode import eval_mode
-from lightning_5d.verify.grads import HookWatch, local_grads, saved_storages_of, summed
+from lightning_5d.verify.grads import local_grads, summed
 
 
 @dataclass
@@ -59,19 +59,14 @@ class ParallelGrads:
 
         A collective (ZeRO-3 gathers, tp/cp inside the piece, the sums): every rank holding the
         piece calls it in the same order."""
-        with eval_mode(live), gathered(live, self.owners, self.roots) as units:  # eval as in the probe: dropout off
+        with eval_mode(live), gathered(live, self.owners, self.roots):  # eval as in the probe: dropout off
             params = dict(live.named_parameters())
             if any(isinstance(params[n], DTensor) for n in names):
                 return None
-            hooks = HookWatch()
             with self.context(), torch.enable_grad():
-                with hooks:
-                    output = rerun(live, args, kwargs)
-                if not hooks.registered:
-                    reshard_unsaved_units(live, units, output)
                 # The backward inside the context too: activation checkpointing recomputes there.
-                grads = local_grads(output, [params[n] for n in names])
-            del params, output
+                grads = local_grads(rerun(live, args, kwargs), [params[n] for n in names])
+            del params
         # Under ZeRO-3 training sums tp's partial gradients after the backward (FSDP2's parameters carry no hooks).
         partial = self.tp.sequence_partial if self.tp is not None and self.zero3 else ()
         return summed(dict(zip(names, grads)), prefix, self.tp, self.cp, partial)
@@ -92,13 +87,11 @@ def unit_owners(root: nn.Module) -> dict[int, FSDPModule]:
 
 
 @contextmanager
-def gathered(
-    live: nn.Module, owners: dict[int, FSDPModule], roots: Sequence[FSDPModule] = ()
-) -> Iterator[list[FSDPModule]]:
+def gathered(live: nn.Module, owners: dict[int, FSDPModule], roots: Sequence[FSDPModule] = ()) -> Iterator[None]:
     """``live``'s parameters unsharded while inside (FSDP2 registers the unsharded tensors on
     the modules), every unit resharded after (``roots``: the model's root units). A collective
     over each unit's data ranks: every rank that holds the piece enters it in the same order.
-    Nothing to do without ZeRO-3. Yields the units gathered."""
+    Nothing to do without ZeRO-3."""
     units: list[FSDPModule] = []
     for p in live.parameters():
         unit = owners.get(id(p))
@@ -107,7 +100,7 @@ def gathered(
     try:
         for unit in units:
             unit.unshard()  # a grouped unit (a container block's sub-layers) gathers its group
-        yield units
+        yield
     finally:
         for unit in units:
             unit.reshard()
@@ -121,34 +114,6 @@ def gathered(
         # stage) trained nothing there, silently. Each root's recovery reshards every unit.
         for root in roots:
             root.reset_iter_state()
-
-
-def reshard_unsaved_units(live: nn.Module, units: Sequence[FSDPModule], output: Any) -> int:
-    """Reshard each gathered unit whose unsharded parameters the graph behind ``output`` did not
-    save, before the backward; returns how many.
-
-    The piece's input is detached, so a layer's weight gradient is built from its input and the
-    cotangent alone (``dL/dW = c^T h`` for the head) and autograd saves no weight there: the
-    gathered weight is dead once the forward ran, yet it stayed next to the reference's gradient
-    part and the parallel gradient. The unsharded parameters stay the graph's leaves (their
-    gradients keep their shapes); FSDP2 frees their data. Not where a backward could read a
-    weight the graph does not show (the conditions of the reference side,
-    :func:`~lightning_5d.verify.grads.release_unsaved_weights`; the caller checks tensor hooks).
-    Measured (benchmarks/RESULTS.md, stop 37): the parallel backward of the 74 M model's head
-    under tp2 x ZeRO-3, 259-273 -> 240-253 MiB per rank; the check's peak is the reference
-    gradient's cut before it, unchanged.
-    """
-    if not units:
-        return 0
-    saved = saved_storages_of(live, output)
-    if saved is None:
-        return 0
-    done = 0
-    for unit in units:
-        if all(p.untyped_storage().data_ptr() not in saved for p in unit.parameters() if p.numel()):
-            unit.reshard()
-            done += 1
-    return done
 
 
 def rerun(live: nn.Module, args: tuple, kwargs: dict) -> Any:
