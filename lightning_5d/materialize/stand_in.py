@@ -22,13 +22,14 @@ see the model's meta parameters before they are swapped.
 Memory: values are kept for reuse while they fit in ``budget`` bytes (by default the rank's
 share, the model's bytes over the world size, less the largest tensor); past it each read
 recomputes its tensor and drops it after the call, so a forward holds the budget plus the
-tensors of the call in flight: about the share plus one tensor at most. A probe that runs a backward (the fused-layout and attention-tracing probes)
-takes its gradients with respect to activations only: the values need none (a value that
-wanted one would be held by its graph node), and a value its graph saves for the backward is
-saved as its ref and recomputed when the backward reads it, so the graph holds activations,
-never weights. Measured on nanoGPT built on meta with nothing kept (4 layers, the largest tensor
-1 MiB, the model 12.4 MiB; tests/unit/materialize/test_stand_in.py): the CPU allocator's live
-bytes peak at 0.94 MiB during discovery, where the graph held up to the whole model before.
+tensors of the call in flight: about the share plus one tensor at most. A probe that runs a
+backward (the fused-layout and attention-tracing probes) takes its gradients with respect to
+activations only: the values need none (a value that wanted one would be held by its graph
+node), and a value its graph saves for the backward is saved as its ref and recomputed when
+the backward reads it, so the graph holds activations, never weights. Measured on nanoGPT
+built on meta with nothing kept (4 layers, the largest tensor 1 MiB, the model 12.4 MiB;
+tests/unit/materialize/test_stand_in.py): the CPU allocator's live bytes peak at 0.94 MiB
+during discovery, where the graph held up to the whole model before.
 Each recomputation first gives freed pages back to the OS (glibc would keep the dropped values'
 blocks resident in its heap). Time: one recomputation of every tensor read past the budget,
 per probe forward, and one per saved value its backward reads.
@@ -149,8 +150,8 @@ class RecordedValues(TorchFunctionMode):
         if t.is_meta or t.device.type != "cpu" or t.is_sparse or t.is_mkldnn or not t.untyped_storage().nbytes():
             return t.detach()
         made = self.made.get(t.untyped_storage().data_ptr())
-        value = made[1]() if made is not None else None
-        if value is None or value.dtype != t.dtype or value.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
+        value = made[1]() if made is not None else None  # alive: that address is still its storage
+        if value is None or value.dtype != t.dtype:
             return t.detach()
         self.packed += 1
         return _Saved(made[0], tuple(t.size()), tuple(t.stride()), t.storage_offset())
