@@ -32,8 +32,11 @@ import socket
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
+
+from lightning_5d.thread_stacks import DUMP_SIGNAL, dump_python_stacks_on_signal, native_stacks
 
 # Imported once by the fork server. A module that fails to import (an optional
 # dependency missing) is skipped by the server; the rank then imports it itself.
@@ -110,6 +113,7 @@ def _run_rank(script: str, args: Sequence[str], env: Mapping[str, str], log: str
         import ctypes
 
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: die with the server
+    dump_python_stacks_on_signal()  # a rank stopped at the time limit shows where it waited
     import warnings
 
     if env.get("PYTHONWARNINGS") == "ignore":  # read only at interpreter start-up otherwise
@@ -135,6 +139,23 @@ def _run_rank(script: str, args: Sequence[str], env: Mapping[str, str], log: str
     os._exit(code)
 
 
+def _report_stacks(processes: Sequence[multiprocessing.process.BaseProcess], logs: Sequence[str]) -> None:
+    """Each rank still running: its threads' Python stacks (written by the rank itself on
+    :data:`DUMP_SIGNAL`) and native stacks (gdb), at the end of its log."""
+    running = [(proc, log) for proc, log in zip(processes, logs) if proc.pid is not None and proc.exitcode is None]
+    for proc, _ in running:
+        try:
+            os.kill(proc.pid, DUMP_SIGNAL)
+        except ProcessLookupError:
+            pass
+    time.sleep(1.0)  # the ranks' handlers write to their logs
+    with ThreadPoolExecutor(max(1, len(running))) as pool:  # gdb takes ~5 s per process
+        stacks = list(pool.map(native_stacks, [proc.pid for proc, _ in running]))
+    for (proc, log), found in zip(running, stacks):
+        with open(log, "a") as out:
+            out.write(f"\n--- rank process {proc.pid} still running: native stacks ---\n{found}")
+
+
 def _kill(processes: Sequence[multiprocessing.process.BaseProcess]) -> None:
     for proc in processes:
         if proc.exitcode is None:
@@ -144,6 +165,10 @@ def _kill(processes: Sequence[multiprocessing.process.BaseProcess]) -> None:
                 proc.kill()
     for proc in processes:
         proc.join(timeout=10)
+
+
+def _read_logs(paths: Sequence[str]) -> str:
+    return "".join(Path(p).read_text(errors="replace") if os.path.exists(p) else "" for p in paths)
 
 
 def run_forked_ranks(
@@ -189,9 +214,17 @@ def run_forked_ranks(
                 multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None], wait_s)
                 if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
                     failed_at = time.monotonic()
+            if timed_out:
+                _report_stacks(procs, paths)
+        except BaseException:
+            # Stopped from outside (a test's own time limit, Ctrl-C): where the ranks waited goes
+            # to this process's stderr, since no output is returned.
+            _report_stacks(procs, paths)
+            print(_read_logs(paths)[-20000:], file=sys.stderr, flush=True)
+            raise
         finally:
             _kill(procs)
-        output = "".join(Path(p).read_text(errors="replace") if os.path.exists(p) else "" for p in paths)
+        output = _read_logs(paths)
     if timed_out:
         return None, output
     return (0 if all(p.exitcode == 0 for p in procs) else 1), output

@@ -195,6 +195,8 @@ def watch_phases() -> PhaseRSS:
         phases.wrap(check, "materialize", "compare: reference piece")
         phases.wrap(check, "difference", "compare: output difference")
         phases.wrap(check, "reference_grads", "compare: reference backward")
+        phases.wrap(check, "keep_rank_parts", "compare: keep the rank's parts")
+        phases.wrap(check, "release_freed_memory", "compare: release freed memory")
         phases.wrap(check.ParallelGrads, "of", "compare: parallel backward")
         phases.wrap(check, "shard_differences", "compare: gradient difference")
     phases.wrap(strategy.FiveDStrategy, "setup_optimizers", "optimizer")

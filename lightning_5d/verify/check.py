@@ -348,11 +348,17 @@ class PlanCheck:
             # threshold) go back first: on the 0.5 B model's head ~20 MiB, under each backward.
             release_freed_memory()
             ref_grads = reference_grads(reference, names, _first_tensor(ref_out), release=not hooks.registered)
+            held = _bytes(list(ref_grads.values()) + list(reference.parameters()))
             # The full weights and the graph are done with: only the gradients stay for the
-            # comparison, of a parameter tp cut only the part this rank's shard is compared with.
+            # comparison, of a parameter tp cut only the part this rank's shard is compared with
+            # (in a file where keeping it would make the parallel backward hold more than this one).
+            # The freed weights' pages go back before the parts are cut: glibc kept a block's
+            # (heap-allocated) weights resident, and the parts' copies came on top (the 0.5 B
+            # model's blocks under tp2 x ZeRO-3: 742-750 MiB, above the head's 708).
             del reference, ref_out
-            keep_rank_parts(ref_grads, piece.path, tp)
             inner_recorder.records.clear()
+            release_freed_memory()
+            keep_rank_parts(ref_grads, piece.path, tp, reference_bytes=held)
             release_freed_memory()
             par_grads = grads.of(live, piece.path, record.args, record.kwargs, names)
             # Each parallel gradient on its own shard against the matching slice of the reference's.
@@ -396,6 +402,12 @@ def _holds_moe(piece: Piece) -> bool:
 def _holds(live: nn.Module, piece: Piece) -> bool:
     names = set(dict(live.named_parameters(remove_duplicate=False))) | set(dict(live.named_buffers()))
     return all(n in names for n in tensor_names(piece.copy) if n in dict(piece.copy.named_parameters()))
+
+
+def _bytes(tensors: list[Tensor]) -> int:
+    """The bytes of the storages behind ``tensors`` (each once: tied weights share one)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.numel()}
+    return sum(storages.values())
 
 
 def _float(value: Any) -> Any:

@@ -60,7 +60,7 @@ class Difference:
 _CHUNK = 1 << 18
 
 
-def _row_blocks(t: Tensor) -> list[Tensor]:
+def row_blocks(t: Tensor) -> list[Tensor]:
     """``t`` as consecutive blocks of its leading dim (views), each about ``_CHUNK`` elements."""
     if t.dim() == 0:
         return [t.reshape(1)]
@@ -85,22 +85,28 @@ class GapSums:
 
     def add(self, parallel: Tensor, reference: Tensor, residual_input: Tensor | None = None) -> "GapSums":
         """Accumulate ``parallel`` against ``reference`` (same shape), block by block of rows."""
-        p_blocks = _row_blocks(parallel.detach())
-        r_blocks = _row_blocks(reference.detach())
-        x_blocks = _row_blocks(residual_input.detach()) if residual_input is not None else [None] * len(r_blocks)
+        p_blocks = row_blocks(parallel.detach())
+        r_blocks = row_blocks(reference.detach())
+        x_blocks = row_blocks(residual_input.detach()) if residual_input is not None else [None] * len(r_blocks)
         for p, r, x in zip(p_blocks, r_blocks, x_blocks):
-            p64 = p.double()
-            if not bool(torch.isfinite(p64).all()):
-                self.non_finite = True
-                continue
-            r64 = r.double().to(p64.device)
-            if x is not None:
-                self.update_sq += float((r64 - x.double().to(p64.device)).square().sum())
-            self.reference_sq += float(r64.square().sum())
-            gap = p64 - r64  # not in place: for a float64 piece .double() is the recorded tensor itself
-            if gap.numel():
-                self.max_abs = max(self.max_abs, float(gap.abs().max()))
-            self.gap_sq += float(gap.square().sum())
+            self.add_block(p, r, x)
+        return self
+
+    def add_block(self, parallel: Tensor, reference: Tensor, residual_input: Tensor | None = None) -> "GapSums":
+        """Accumulate one block (same shape on both sides); ``reference`` may live on another device
+        (a block read back from a spill: :mod:`.shard_compare`)."""
+        p64 = parallel.detach().double()
+        if not bool(torch.isfinite(p64).all()):
+            self.non_finite = True
+            return self
+        r64 = reference.detach().double().to(p64.device)
+        if residual_input is not None:
+            self.update_sq += float((r64 - residual_input.detach().double().to(p64.device)).square().sum())
+        self.reference_sq += float(r64.square().sum())
+        gap = p64 - r64  # not in place: for a float64 piece .double() is the recorded tensor itself
+        if gap.numel():
+            self.max_abs = max(self.max_abs, float(gap.abs().max()))
+        self.gap_sq += float(gap.square().sum())
         return self
 
     def result(self, use_update: bool = False) -> Difference:

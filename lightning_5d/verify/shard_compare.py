@@ -20,53 +20,122 @@ heads) fails for every rank.
 from __future__ import annotations
 
 import math
+import tempfile
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_5d.verify.compare import Difference, GapSums
+from lightning_5d.verify.compare import Difference, GapSums, row_blocks
 
 # Why a gradient could not be measured (the column reduced by MAX over the tp ranks).
 _NONE, _NON_FINITE, _SHAPE = 0, 1, 2
 
 
+class SpilledSlice:
+    """One slice of a reference gradient written to an unlinked temporary file block by block of
+    rows (:func:`~.compare.row_blocks`: the blocks the comparison steps through), and read back
+    one block at a time: the parallel backward then runs with none of it in memory."""
+
+    def __init__(self, view: Tensor) -> None:
+        self.shape, self.dtype = tuple(view.shape), view.dtype
+        self._file = tempfile.TemporaryFile(prefix="l5d-verify-")  # unlinked: nothing is left on disk
+        self._blocks: list[tuple[int, ...]] = []
+        for block in row_blocks(view):
+            data = block.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+            self._file.write(memoryview(data.numpy()))
+            self._blocks.append(tuple(block.shape))
+        self.nbytes = self._file.tell()
+
+    def blocks(self) -> Iterator[Tensor]:
+        """The slice's blocks of rows, in order, each read into a fresh CPU tensor."""
+        self._file.seek(0)
+        element = torch.empty((), dtype=self.dtype).element_size()
+        for shape in self._blocks:
+            raw = torch.empty(math.prod(shape) * element, dtype=torch.uint8)
+            self._file.readinto(memoryview(raw.numpy()))
+            yield raw.view(self.dtype).reshape(shape)
+
+    def close(self) -> None:
+        self._file.close()
+
+
 @dataclass(frozen=True)
 class RankPart:
     """The slices of a full reference gradient that this tp rank's shard is compared with, in
-    one tensor along the cut dimension (and the full gradient's shape, for the message)."""
+    order along the cut dimension: one tensor (the slices copied out into one), or each slice
+    spilled to a file (:class:`SpilledSlice`); and the full gradient's shape, for the message."""
 
-    part: Tensor
+    slices: tuple[Tensor | SpilledSlice, ...]
+    dim: int
     full_shape: tuple[int, ...]
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        shape = list(self.slices[0].shape)
+        shape[self.dim] = sum(s.shape[self.dim] for s in self.slices)
+        return tuple(shape)
 
-def rank_part(reference: Tensor, shard: Any, rank: int, size: int) -> RankPart:
-    """This rank's slices of the full ``reference`` as ``shard`` cuts it, copied out."""
-    return RankPart(torch.cat(shard.slices(reference, rank, size), dim=shard.dim), tuple(reference.shape))
+    @property
+    def spilled(self) -> bool:
+        return any(isinstance(s, SpilledSlice) for s in self.slices)
 
 
-def keep_rank_parts(reference: dict[str, Tensor], prefix: str, tp: Any | None) -> None:
+def rank_part(reference: Tensor, shard: Any, rank: int, size: int, spill: bool = False) -> RankPart:
+    """This rank's slices of the full ``reference`` as ``shard`` cuts it: copied out into one
+    tensor, or with ``spill`` each written to a file straight from its view (no copy of the
+    part in memory, next to the full gradient, at any time)."""
+    views = shard.slices(reference, rank, size)
+    if spill:
+        return RankPart(tuple(SpilledSlice(v) for v in views), shard.dim, tuple(reference.shape))
+    return RankPart((torch.cat(views, dim=shard.dim),), shard.dim, tuple(reference.shape))
+
+
+def keep_rank_parts(
+    reference: dict[str, Tensor], prefix: str, tp: Any | None, reference_bytes: int | None = None
+) -> None:
     """Replace, in place, each full reference gradient of a parameter tp cut by this rank's
     part of it, freeing the full one before the parallel backward runs: on the 0.5 B model's
     vocabulary-parallel head under tp2 x ZeRO-3 the full 188 MiB gradient was held next to
-    the rank's gathered 94 MiB weight and its 94 MiB gradient; the part is 94 MiB."""
+    the rank's gathered 94 MiB weight and its 94 MiB gradient; the part is 94 MiB.
+
+    ``reference_bytes``: what the reference's backward held (its full gradients and the weights
+    it kept). The parallel backward holds the piece's parameters at this rank's shape and their
+    gradients; where that and the kept parts would come to more (1.5 x under tp2 for a head
+    whose full weight the reference released: 3 x 94 against 188 MiB), the parts are spilled to
+    a temporary file instead (:class:`SpilledSlice`), and the check's peak stays the
+    reference's: the rank's share plus its largest tensor (rule 2)."""
     if tp is None:
         return
-    for name in list(reference):
+    cut = [n for n in reference if tp.is_sharded(f"{prefix}.{n}" if prefix else n)]
+    if not cut:
+        return
+    parts = sum(reference[n].nbytes // tp.size for n in cut)
+    whole = sum(t.nbytes for n, t in reference.items() if n not in cut)
+    spill = reference_bytes is not None and 2 * (parts + whole) + parts > reference_bytes
+    for name in cut:
         full_name = f"{prefix}.{name}" if prefix else name
-        if tp.is_sharded(full_name):
-            reference[name] = rank_part(reference[name], tp.shards[full_name], tp.rank, tp.size)
+        reference[name] = rank_part(reference[name], tp.shards[full_name], tp.rank, tp.size, spill=spill)
 
 
 def part_sums(local: Tensor, part: RankPart, rank: int) -> GapSums | str:
     """The sums of ``local`` (this rank's shard) against its part of the reference; a note when
     the shapes do not correspond."""
-    if tuple(local.shape) != tuple(part.part.shape):
+    if tuple(local.shape) != part.shape:
         return (f"shape {tuple(local.shape)} on tp rank {rank} where the model's {part.full_shape}, "
-                f"cut by tp, gives {tuple(part.part.shape)}")  # fmt: skip
-    return GapSums().add(local, part.part)
+                f"cut by tp, gives {part.shape}")  # fmt: skip
+    sums = GapSums()
+    pieces = local.split([s.shape[part.dim] for s in part.slices], dim=part.dim)
+    for piece, ref in zip(pieces, part.slices):
+        if isinstance(ref, SpilledSlice):
+            for block, ref_block in zip(row_blocks(piece), ref.blocks()):
+                sums.add_block(block, ref_block)
+            ref.close()
+        else:
+            sums.add(piece, ref)
+    return sums
 
 
 def shard_sums(local: Tensor, reference: Tensor, shard: Any, rank: int, size: int) -> GapSums | str:

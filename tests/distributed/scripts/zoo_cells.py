@@ -17,6 +17,7 @@ with the cell's layout. Per cell, in ``<out>/<cell id>/``:
 """
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -62,7 +63,10 @@ class Watchdog:
         while True:
             time.sleep(1.0)
             if self.deadline is not None and time.monotonic() > self.deadline:
-                (self.where / f"hang_rank{RANK}.txt").write_text(f"no result after {args.cell_limit:.0f} s\n")
+                with open(self.where / f"hang_rank{RANK}.txt", "w") as out:
+                    out.write(f"no result after {args.cell_limit:.0f} s\n")
+                    out.flush()
+                    faulthandler.dump_traceback(file=out, all_threads=True)  # where it waited
                 os._exit(4)
 
 

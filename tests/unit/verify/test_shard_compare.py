@@ -1,6 +1,8 @@
 """Gradients compared on each rank's shard (single process: the ranks' sums added by hand)."""
 
 import math
+import os
+import tempfile
 
 import pytest
 import torch
@@ -8,7 +10,15 @@ import torch
 from lightning_5d.parallel.tensor.sharding import TensorShard
 from lightning_5d.verify import compare
 from lightning_5d.verify.compare import GapSums, difference
-from lightning_5d.verify.shard_compare import RankPart, keep_rank_parts, part_sums, shard_differences, shard_sums
+from lightning_5d.verify.shard_compare import (
+    RankPart,
+    SpilledSlice,
+    keep_rank_parts,
+    part_sums,
+    rank_part,
+    shard_differences,
+    shard_sums,
+)
 
 
 def _whole(parallel, reference):
@@ -105,9 +115,43 @@ def test_the_rank_keeps_only_its_part_of_a_cut_gradient_and_measures_the_same():
     local = tp.shards["head.weight"].take(full["weight"], 1, 2) + 1e-3
     parts = dict(full)
     keep_rank_parts(parts, "head", tp)
-    assert isinstance(parts["weight"], RankPart) and parts["weight"].part.shape == (8, 8)
+    assert isinstance(parts["weight"], RankPart) and parts["weight"].shape == (8, 8) and not parts["weight"].spilled
     assert parts["bias"] is full["bias"]  # not cut: compared whole
     assert part_sums(local, parts["weight"], 1).result() == shard_sums(local, full["weight"], tp.shards["head.weight"],
                                                                        1, 2).result()  # fmt: skip
     note = part_sums(torch.zeros(6, 8), parts["weight"], 1)
     assert note == "shape (6, 8) on tp rank 1 where the model's (16, 8), cut by tp, gives (8, 8)"
+
+
+@pytest.mark.parametrize(
+    "shard", [TensorShard(0), TensorShard(1), TensorShard(0, (8, 4, 4))], ids=["column", "row", "fused"]
+)
+def test_a_spilled_part_measures_what_the_part_in_memory_measures(shard, monkeypatch):
+    monkeypatch.setattr(compare, "_CHUNK", 5)  # several blocks per slice, rows wider than a block
+    torch.manual_seed(0)
+    reference = torch.randn(16, 8)
+    local = shard.take(reference, 1, 2) + 1e-3 * torch.randn(shard.take(reference, 1, 2).shape)
+    local[0, 0] += 0.5  # a large gap in one place: max_abs must find it through the blocks
+    kept, spilled = rank_part(reference, shard, 1, 2), rank_part(reference, shard, 1, 2, spill=True)
+    assert spilled.spilled and all(isinstance(s, SpilledSlice) for s in spilled.slices)
+    assert spilled.shape == kept.shape == tuple(local.shape)
+    assert sum(s.nbytes for s in spilled.slices) == local.numel() * 4  # the part, on disk
+    a, b = part_sums(local, kept, 1), part_sums(local, spilled, 1)
+    assert (a.gap_sq, a.reference_sq, a.max_abs) == pytest.approx((b.gap_sq, b.reference_sq, b.max_abs), rel=1e-12)
+    assert not any(name.startswith("l5d-verify-") for name in os.listdir(tempfile.gettempdir()))  # unlinked
+
+
+def test_parts_are_spilled_where_the_parallel_backward_would_hold_more_than_the_reference_did():
+    tp = _OneRankOfTp2()
+    full = {"weight": torch.randn(16, 8)}  # 512 B: the rank's part 256 B
+    # A head whose full weight the reference released: it held the gradient alone (512 B); the
+    # parallel backward holds the rank's weight, its gradient and the part: 3 x 256 > 512.
+    released = dict(full)
+    keep_rank_parts(released, "head", tp, reference_bytes=512)
+    assert released["weight"].spilled
+    # A piece whose weights the reference's graph kept: 1,024 B held, 768 B is less.
+    kept = dict(full)
+    keep_rank_parts(kept, "head", tp, reference_bytes=1024)
+    assert not kept["weight"].spilled
+    local = tp.shards["head.weight"].take(full["weight"], 1, 2)
+    assert part_sums(local, released["weight"], 1).result().relative == 0.0
