@@ -209,6 +209,13 @@ class ParallelConfig:
     context: ContextConfig = field(default_factory=ContextConfig)
     expert: ExpertConfig = field(default_factory=ExpertConfig)
 
+    def checks_plan(self, rewrites: bool) -> bool:
+        """Whether setup runs the plan verifier (``lightning_5d.verify``): wherever a dimension
+        rewrites the forward (``rewrites``: tp, cp, pp, expert dispatch or FP8) unless
+        ``verify='off'``, and under ZeRO-3 alone only when asked for (``blocks`` / ``outputs``)."""
+        asked = self.verify in (VerifyMode.BLOCKS, VerifyMode.OUTPUTS)
+        return (rewrites and self.verify != VerifyMode.OFF) or (asked and self.zero == ZeroStage.PARAMETERS)
+
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "ParallelConfig":
         if not isinstance(values, Mapping):

@@ -36,9 +36,14 @@ class ClassReport:
 
     @property
     def peak(self) -> float:
-        """Device bytes at start-up: the first step holds the most (materialization holds only the
-        parameters on the device; the tensor it recomputes whole is on the host)."""
-        return max(self.first_step, self.rank_class.state.params)
+        """Device bytes at start-up: the first step, or the plan verifier's check where it holds
+        more (materialization holds only the parameters on the device; the tensor it recomputes
+        whole is on the host)."""
+        return max(self.first_step, self.rank_class.state.params, self.rank_class.state.check_peak)
+
+    @property
+    def check_dominates(self) -> bool:
+        return self.rank_class.state.check_peak > self.first_step
 
     def terms(self) -> dict[str, float]:
         s = self.rank_class.state
@@ -78,6 +83,11 @@ class DryRun:
                 f"GiB at start-up of {self.usable / GIB:.1f} GiB usable on {self.gpu}")  # fmt: skip
         if self.fits:
             return f"{head}: fits ({self.usable / GIB - b.peak / GIB:.1f} GiB to spare)."
+        if b.check_dominates:
+            s = b.rank_class.state
+            return (f"{head}: does NOT fit; the plan verifier's check dominates (params {s.params / GIB:.1f} GiB + "
+                    f"{s.check_name} unsplit in fp32, {s.check / GIB:.1f} GiB). Cut that tensor with parallel.tp "
+                    f"(or parallel.pp, so fewer pieces share a rank), or set parallel.verify=off.")  # fmt: skip
         terms = b.terms()
         name, value = max(terms.items(), key=lambda kv: kv[1])
         return f"{head}: does NOT fit; {name} dominates ({value / GIB:.1f} GiB). {self._advice(name)}"
@@ -100,12 +110,13 @@ class DryRun:
             f"{self.gpu}, {self.usable / GIB:.1f} GiB usable",
             "            GiB per rank: states = params + grads + optimizer at the first step, counted per tensor; "
             "planner = the same pieces by lightning_5d.estimate (diff); first step = states + the planner's "
-            "activations and buffers (device memory); host = the largest tensor materialization recomputes "
-            "whole on the host, with its tp/ep piece (host memory per process, transient)",
+            "activations and buffers (device memory); check = params + the largest unsplit tensor in fp32, "
+            "which the plan verifier holds at start-up where it runs ('-': it does not); host = the largest tensor "
+            "materialization recomputes whole on the host, with its tp/ep piece (host memory per process, transient)",
             "",
             "| ranks | class | blocks | params | grads | optimizer | states | planner states (diff) | "
-            "act + buf (planner) | first step | fits | host (largest tensor) |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+            "act + buf (planner) | first step | check | fits | host (largest tensor) |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
         ]
         for c in self.classes:
             rc, s, p = c.rank_class, c.rank_class.state, c.prediction
@@ -116,7 +127,8 @@ class DryRun:
                 f"| {rank_ranges(rc.ranks)} | {where}{' ' + parts if parts else ''} | {rc.blocks} | "
                 f"{s.params / GIB:.2f} | {s.grads / GIB:.2f} | {s.optimizer / GIB:.2f} | {s.states / GIB:.2f} | "
                 f"{p.states.total / GIB:.2f} ({diff:+.1f}%) | {(p.activations + p.buffers) / GIB:.2f} | "
-                f"{c.peak / GIB:.2f} | {'yes' if c.peak <= self.usable else 'NO'} | {s.transient / GIB:.2f} "
+                f"{c.first_step / GIB:.2f} | {f'{s.check_peak / GIB:.2f}' if s.check else '-'} | "
+                f"{'yes' if c.peak <= self.usable else 'NO'} | {s.transient / GIB:.2f} "
                 f"({s.transient_name}) |"
             )
         lines += ["", f"planner     l5d estimate --recipe: {self.planner_total / GIB:.1f} GiB on its most loaded rank"]
@@ -142,10 +154,14 @@ def dry_run(cfg: Any, recipe: str | None = None, classes: CutClasses = CutClasse
     check = check_recipe(cfg, recipe=recipe, validate=False)
     parallel = ParallelConfig.from_mapping(_plain(cfg.parallel))
     options = _plain(cfg.get("precision_options"))
+    # The dimensions that rewrite the forward (dimensions.py, needs_plan): there setup checks the plan.
+    rewrites = (max(layout.tp, layout.cp, layout.pp, layout.ep) > 1 or parallel.expert.wants_dispatch
+                or _precision(cfg.precision) == Precision.FP8)  # fmt: skip
     rules = StateRules(
         zero=parallel.zero,
         low_precision_params=_precision(cfg.precision) != Precision.FP32,
         fp32_accumulation=options.get("accumulation_dtype") == "fp32",
+        plan_check=parallel.checks_plan(rewrites),
     )
     model = _plain(cfg.model)
     found = startup_classes(lambda: LlamaLM(model), parallel, layout, layout_combination(cfg, parallel, layout),

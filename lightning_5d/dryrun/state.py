@@ -22,6 +22,13 @@ routed experts; ``r`` is this rank's place in it (``RankMesh``). This is the
 Materialization (``lightning_5d.materialize.apply``) recomputes one whole unsplit tensor at a
 time and cuts this rank's piece from it: the transient is the largest such tensor plus its
 tp / ep piece when one is cut (see :func:`materialize_transient`).
+
+The plan verifier (where setup runs it: ``ParallelConfig.checks_plan``) compares each piece the
+rank holds with the unparallelized piece, in fp32 on the device: its peak is the rank's
+parameters plus the largest unsplit tensor of those pieces in fp32 (its full weight, then its
+full gradient once the weight is freed; measured within 27-37 MiB of that on a 0.5 B model,
+benchmarks/RESULTS.md "stop 38"). Routed experts are not compared under expert dispatch
+(see :func:`check_transient`).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ class StateRules:
     zero: ZeroStage
     low_precision_params: bool  # mixed precision: parameters cast to 2 bytes (ZeRO-0..2)
     fp32_accumulation: bool = False
+    plan_check: bool = False  # setup runs the plan verifier (ParallelConfig.checks_plan)
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,8 @@ class RankState:
     optimizer: int
     transient: int
     transient_name: str
+    check: int = 0  # the plan verifier's transient, where it runs (check_transient)
+    check_name: str = ""
 
     @property
     def states(self) -> int:
@@ -64,8 +74,14 @@ class RankState:
         the tensor being recomputed (no gradients or optimizer states exist yet)."""
         return self.params + self.transient
 
+    @property
+    def check_peak(self) -> int:
+        """While the plan verifier compares the largest piece: the parameters plus its full tensor."""
+        return self.params + self.check
+
     def key(self) -> tuple:
-        return (self.params, self.grads, self.optimizer, self.transient, self.transient_name)
+        return (self.params, self.grads, self.optimizer, self.transient, self.transient_name, self.check,
+                self.check_name)  # fmt: skip
 
 
 def shard_groups(layout: Layout, mesh: RankMesh) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -125,4 +141,18 @@ def rank_state(tensors: tuple[HeldTensor, ...], rules: StateRules, layout: Layou
         p, g, o = tensor_state(t, rules, expert if t.expert else dense)
         params, grads, optimizer = params + p, grads + g, optimizer + o
     transient, name = materialize_transient(tensors)
-    return RankState(params, grads, optimizer, transient, name)
+    check, check_name = check_transient(tensors) if rules.plan_check else (0, "")
+    return RankState(params, grads, optimizer, transient, name, check, check_name)
+
+
+def check_transient(tensors: tuple[HeldTensor, ...]) -> tuple[int, str]:
+    """The largest (bytes, name) the plan verifier holds besides the rank's own tensors: one
+    unsplit tensor in fp32 (the reference piece computes in fp32). Routed experts are left
+    out: under expert dispatch the verifier does not compare the MoE (its one-process version
+    is not the reference: token dropping, routing bias), and without it an expert's tensors are
+    far smaller than the embedding's."""
+    best = (0, "")
+    for t in tensors:
+        if not t.expert:
+            best = max(best, (t.full_numel * 4, t.name))
+    return best

@@ -99,9 +99,7 @@ class PlanCheck:
         only when asked for (``blocks``/``outputs``), not by ``auto``. ZeRO-0..2 alone leave the
         forward untouched: nothing to prove.
         """
-        asked = config.verify in (VerifyMode.BLOCKS, VerifyMode.OUTPUTS)
-        wanted = (rewrites and config.verify != VerifyMode.OFF) or (asked and config.zero == ZeroStage.PARAMETERS)
-        if not wanted:
+        if not config.checks_plan(rewrites):
             if config.verify == VerifyMode.AUTO and config.zero == ZeroStage.PARAMETERS:
                 rank_zero_info(
                     "[lightning_5d] plan verifier: not run under ZeRO-3 alone (each piece runs its own code on "

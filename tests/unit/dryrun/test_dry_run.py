@@ -6,6 +6,8 @@ pieces within ``STATE_TOLERANCE`` per term (what is left is ZeRO's ceil slices),
 must be counted once, and the verdict must say whether it fits the recipe's GPU.
 """
 
+import dataclasses
+
 import pytest
 
 from lightning_5d.config import ParallelConfig, ZeroStage
@@ -80,3 +82,26 @@ def test_tp_and_ep_ranks_of_a_stage_hold_the_same_bytes_as_cut_one_by_one(zero):
     assert sorted(by_stage) == list(range(16))
     assert by_stage == by_coordinate
     assert len({s.params for s in by_stage.values()}) > 1  # the stages differ (embedding vs head)
+
+
+def test_the_plan_check_counts_params_plus_the_largest_unsplit_tensor_in_fp32_where_it_runs():
+    # tp rewrites the forward: setup checks the plan, holding the unsplit head (or embedding) in fp32.
+    checked = dry_run(compose(["recipe=llama3_8b_8gpu", "parallel.tp=2"], return_hydra_config=True))
+    state = checked.classes[0].rank_class.state
+    assert state.check == 128256 * 4096 * 4 and state.check_name.endswith(("lm_head.weight", "embed_tokens.weight"))
+    assert state.check_peak == state.params + state.check
+    assert f"| {state.check_peak / GIB:.2f} |" in checked.format()
+    # ZeRO-3 alone (the recipe) and verify=off under tp: nothing is checked, nothing counted.
+    for overrides in ([], ["parallel.tp=2", "parallel.verify=off"]):
+        plain = dry_run(compose(["recipe=llama3_8b_8gpu", *overrides], return_hydra_config=True))
+        assert plain.classes[0].rank_class.state.check == 0 and "| - |" in plain.format()
+
+
+def test_a_check_that_holds_more_than_the_first_step_sets_the_peak_and_the_verdict():
+    report = dry_run(compose(["recipe=llama3_8b_8gpu", "parallel.tp=2"], return_hydra_config=True))
+    c = report.classes[0]
+    huge = dataclasses.replace(c.rank_class.state, check=int(200 * GIB))  # an fp32 tensor no GPU holds
+    report = dataclasses.replace(report, classes=(dataclasses.replace(
+        c, rank_class=dataclasses.replace(c.rank_class, state=huge)),))  # fmt: skip
+    assert report.busiest.peak == huge.check_peak and not report.fits
+    assert "the plan verifier's check dominates" in report.verdict() and "parallel.verify=off" in report.verdict()
