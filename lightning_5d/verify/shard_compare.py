@@ -43,10 +43,15 @@ class SpilledSlice:
         self.shape, self.dtype = tuple(view.shape), view.dtype
         self._file = tempfile.TemporaryFile(prefix="l5d-verify-")  # unlinked: nothing is left on disk
         self._blocks: list[tuple[int, ...]] = []
-        for block in row_blocks(view):
-            data = block.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
-            self._file.write(memoryview(data.numpy()))
-            self._blocks.append(tuple(block.shape))
+        try:
+            for block in row_blocks(view):
+                data = block.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+                self._file.write(memoryview(data.numpy()))
+                self._blocks.append(tuple(block.shape))
+            self._file.flush()
+        except OSError:
+            self._file.close()
+            raise
         self.nbytes = self._file.tell()
 
     def blocks(self) -> Iterator[Tensor]:
@@ -89,7 +94,14 @@ def rank_part(reference: Tensor, shard: Any, rank: int, size: int, spill: bool =
     part in memory, next to the full gradient, at any time)."""
     views = shard.slices(reference, rank, size)
     if spill:
-        return RankPart(tuple(SpilledSlice(v) for v in views), shard.dim, tuple(reference.shape))
+        spilled: list[SpilledSlice] = []
+        try:
+            for view in views:
+                spilled.append(SpilledSlice(view))
+            return RankPart(tuple(spilled), shard.dim, tuple(reference.shape))
+        except OSError:  # no room in the temporary folder (TMPDIR): kept in memory, as without the spill
+            for done in spilled:
+                done.close()
     return RankPart((torch.cat(views, dim=shard.dim),), shard.dim, tuple(reference.shape))
 
 

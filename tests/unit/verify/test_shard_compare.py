@@ -155,3 +155,15 @@ def test_parts_are_spilled_where_the_parallel_backward_would_hold_more_than_the_
     assert not kept["weight"].spilled
     local = tp.shards["head.weight"].take(full["weight"], 1, 2)
     assert part_sums(local, released["weight"], 1).result().relative == 0.0
+
+
+def test_a_part_that_cannot_be_spilled_is_kept_in_memory(monkeypatch):
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", full_disk)
+    reference = torch.randn(16, 8)
+    part = rank_part(reference, TensorShard(0, (8, 4, 4)), 1, 2, spill=True)
+    assert not part.spilled and part.shape == (8, 8)
+    local = TensorShard(0, (8, 4, 4)).take(reference, 1, 2)
+    assert part_sums(local, part, 1).result().relative == 0.0
