@@ -379,6 +379,22 @@ STEPS: tuple[Step, ...] = (
 )
 
 
+def _plan_needed(ctx: ApplyContext, steps: Sequence[Step]) -> bool:
+    """Whether an active step rewrites the forward: it then needs the model's plan, and setup
+    checks the plan (``ParallelConfig.checks_plan``)."""
+    return any(step.needs_plan(ctx) and step.wanted(ctx) for step in steps)
+
+
+def rewrites_forward(
+    config: ParallelConfig, mesh: ParallelMesh, precision: FiveDPrecision | None, combination: Combination
+) -> bool:
+    """:func:`_plan_needed` over :data:`STEPS` without a model (for the start-up dry run): which
+    steps rewrite the forward depends on the settings, the mesh and the precision only."""
+    module = nn.Module()
+    return _plan_needed(ApplyContext(module, config, mesh, precision, combination, AppliedDimensions(module=module)),
+                        STEPS)  # fmt: skip
+
+
 def apply_dimensions(
     module: nn.Module, config: ParallelConfig, mesh: ParallelMesh, precision: FiveDPrecision | None,
     combination: Combination, steps: Sequence[Step] = STEPS, *, meta: MetaBuild | None = None,
@@ -391,7 +407,7 @@ def apply_dimensions(
     """
     ctx = ApplyContext(module, config, mesh, precision, combination, AppliedDimensions(module=module))
     ctx.meta, ctx.device = meta, device
-    ctx.plan_needed = any(step.needs_plan(ctx) and step.wanted(ctx) for step in steps)
+    ctx.plan_needed = _plan_needed(ctx, steps)
     active = [step for step in steps if step.wanted(ctx)]
     for step in active:
         step.check(ctx)

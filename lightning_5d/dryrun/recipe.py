@@ -147,16 +147,21 @@ def dry_run(cfg: Any, recipe: str | None = None, classes: CutClasses = CutClasse
     """The dry run of a composed ``l5d train`` config (``lightning_5d.train.compose``)."""
     from lightning_5d.estimate.recipe_check import _precision, check_recipe
     from lightning_5d.estimate.training import Precision
+    from lightning_5d.dimensions import rewrites_forward
+    from lightning_5d.dryrun.rank_mesh import RankMesh
     from lightning_5d.models import LlamaLM
+    from lightning_5d.precision import precision_plugins
     from lightning_5d.train import layout_combination, validate
 
     layout = validate(cfg)  # what l5d train refuses, refused here first
     check = check_recipe(cfg, recipe=recipe, validate=False)
     parallel = ParallelConfig.from_mapping(_plain(cfg.parallel))
     options = _plain(cfg.get("precision_options"))
-    # The dimensions that rewrite the forward (dimensions.py, needs_plan): there setup checks the plan.
-    rewrites = (max(layout.tp, layout.cp, layout.pp, layout.ep) > 1 or parallel.expert.wants_dispatch
-                or _precision(cfg.precision) == Precision.FP8)  # fmt: skip
+    combination = layout_combination(cfg, parallel, layout)
+    # Where a dimension rewrites the forward (the strategy's own steps decide, with the worker's
+    # precision plugin), setup checks the plan.
+    _, plugins = precision_plugins(cfg.precision, options)
+    rewrites = rewrites_forward(parallel, RankMesh(layout, 0), plugins[0] if plugins else None, combination)
     rules = StateRules(
         zero=parallel.zero,
         low_precision_params=_precision(cfg.precision) != Precision.FP32,
@@ -164,8 +169,7 @@ def dry_run(cfg: Any, recipe: str | None = None, classes: CutClasses = CutClasse
         plan_check=parallel.checks_plan(rewrites),
     )
     model = _plain(cfg.model)
-    found = startup_classes(lambda: LlamaLM(model), parallel, layout, layout_combination(cfg, parallel, layout),
-                            rules, classes)  # fmt: skip
+    found = startup_classes(lambda: LlamaLM(model), parallel, layout, combination, rules, classes)
     spec, setup = check.spec, check.setup
     modelled = spec.replace(num_layers=check.modelled_layers)
     reports = tuple(ClassReport(c, predict(spec, setup, c.blocks, c.first, c.last, modelled)) for c in found)

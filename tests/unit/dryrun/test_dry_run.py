@@ -91,6 +91,9 @@ def test_the_plan_check_counts_params_plus_the_largest_unsplit_tensor_in_fp32_wh
     assert state.check == 128256 * 4096 * 4 and state.check_name.endswith(("lm_head.weight", "embed_tokens.weight"))
     assert state.check_peak == state.params + state.check
     assert f"| {state.check_peak / GIB:.2f} |" in checked.format()
+    # FP8 linears rewrite the forward too (the strategy's steps decide, with the worker's precision plugin).
+    fp8 = dry_run(compose(["recipe=llama3_8b_8gpu", "precision=fp8_tensorwise"], return_hydra_config=True))
+    assert fp8.classes[0].rank_class.state.check == 128256 * 4096 * 4
     # ZeRO-3 alone (the recipe) and verify=off under tp: nothing is checked, nothing counted.
     for overrides in ([], ["parallel.tp=2", "parallel.verify=off"]):
         plain = dry_run(compose(["recipe=llama3_8b_8gpu", *overrides], return_hydra_config=True))
