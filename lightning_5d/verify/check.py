@@ -352,7 +352,7 @@ class PlanCheck:
             # (in a file where keeping it would make the parallel backward hold more than this one).
             # The freed weights' pages go back before the parts are cut: glibc kept a block's
             # (heap-allocated) weights resident, and the parts' copies came on top (the 0.5 B
-            # model's blocks under tp2 x ZeRO-3: 742-750 MiB, above the head's 708).
+            # model's blocks under tp2 x ZeRO-3: 742-750 MiB, above the head's check).
             del reference, ref_out
             inner_recorder.records.clear()
             release_freed_memory()

@@ -115,8 +115,7 @@ def full_weights(
         cut = tp.shards[full_name] if tp is not None and tp.is_sharded(full_name) and value.dim() > 0 else None
         if isinstance(value, DTensor):
             live_value = value._local_tensor
-            same_device = value._local_tensor.device == getattr(tp, "device", None)
-            whole = _tp_output(value.shape, value.dtype, cut, tp) if same_device else None
+            whole = _tp_output(value, cut, tp)
             if whole is not None:  # the data ranks' shards straight into this rank's slice of the full tensor
                 mine = _full_tensor(value, into=cut.slices(whole, tp.rank, tp.size)[0])
                 value = _tp_full(mine, cut, tp, out=whole)
@@ -134,20 +133,21 @@ def full_weights(
     return out
 
 
-def _tp_output(local_shape: Any, dtype: torch.dtype, shard: TensorShard | None, tp: Any) -> Tensor | None:
-    """The full tensor's memory, where this rank's part of it is one contiguous slice (a
-    vocabulary-parallel embedding or head, a plain column cut) and so can be gathered over the
-    data ranks in place: the rank's whole part (94 MiB of the 0.5 B model's head under
-    tp2 x ZeRO-3) was otherwise held next to the full tensor (188 MiB) while tp assembled it.
-    None otherwise (a row cut, fused segments)."""
-    if shard is None:
+def _tp_output(value: DTensor, shard: TensorShard | None, tp: Any) -> Tensor | None:
+    """The full tensor's memory for ``value`` (this rank's tp part, ZeRO-sharded), where that part
+    is one contiguous slice of it (a vocabulary-parallel embedding or head, a plain column cut)
+    and so can be gathered over the data ranks in place: the rank's whole part (94 MiB of the
+    0.5 B model's head under tp2 x ZeRO-3) was otherwise held next to the full tensor (188 MiB)
+    while tp assembled it. None otherwise (no tp cut, a row cut, fused segments, or a shard
+    on another device than tp's collectives, as under CPU offload)."""
+    if shard is None or value._local_tensor.device != tp.device:
         return None
-    shape = list(local_shape)
+    shape = list(value.shape)
     shape[shard.dim] *= tp.size
-    slices = shard.slices(torch.empty(shape, dtype=dtype, device="meta"), tp.rank, tp.size)
+    slices = shard.slices(torch.empty(shape, dtype=value.dtype, device="meta"), tp.rank, tp.size)
     if len(slices) != 1 or not slices[0].is_contiguous():
         return None
-    return torch.empty(shape, dtype=dtype, device=tp.device)
+    return torch.empty(shape, dtype=value.dtype, device=tp.device)
 
 
 def _tp_full(local: Tensor, shard: TensorShard, tp: Any, out: Tensor | None = None) -> Tensor:
