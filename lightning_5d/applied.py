@@ -21,6 +21,7 @@ from lightning_5d.parallel.context import ContextParallel, ContextParallelError
 from lightning_5d.parallel.data import ZeroSet
 from lightning_5d.parallel.data.fsdp import set_gradient_sync, unit_is_gathered
 from lightning_5d.parallel.expert import ExpertParallel, ExpertParallelError
+from lightning_5d.parallel.frozen import FrozenAtSetup
 from lightning_5d.parallel.grad_norm import clip_grad_norm_
 from lightning_5d.parallel.pipeline import PipelineLoop, PipelineMode, PipelineParallel
 from lightning_5d.parallel.tensor import TensorParallel
@@ -43,6 +44,7 @@ class AppliedDimensions:
     _tp_sharded: set[int] = field(default_factory=set)  # ids of parameters (and masters) clipping sees
     _experts: set[int] = field(default_factory=set)
     _tied_copies: set[int] = field(default_factory=set)  # a tied weight's copy another pp rank counts
+    frozen: FrozenAtSetup | None = None  # parameters frozen at setup that must stay so (watch_frozen)
 
     # ------------------------------------------------------------------ re-entry
     def already_applied(self, module: nn.Module) -> bool:
@@ -164,7 +166,18 @@ class AppliedDimensions:
                 self.zero.require_sync = True
             set_gradient_sync(self.fsdp_units, True)
 
+    def watch_frozen(self, module: nn.Module, masters: bool) -> None:
+        """Once every dimension is applied: remember the frozen parameters the ZeRO-0..2 engines,
+        tp's partial-gradient hooks and (``masters``) the fp32 optimizer masters of low-precision
+        parameters leave out (``parallel/frozen.py``)."""
+        zero = int(self.zero.stage) if self.zero is not None else None
+        tp_partial = self.tp.sequence_partial if self.tp is not None and self.tp.partial_grads_hooked else None
+        self.frozen = FrozenAtSetup.watch(module, zero, tp_partial, masters)
+
     def start_backward(self) -> None:
+        """Before each backward's gradients are reduced (under pp: after the schedule's backward)."""
+        if self.frozen is not None:
+            self.frozen.check()
         if self.zero is not None:
             self.zero.start_backward()
 

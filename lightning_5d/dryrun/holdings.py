@@ -67,6 +67,7 @@ class HeldTensor:
     itemsize: int  # as built (what the replay recomputes in)
     expert: bool  # a routed expert's (ZeRO shards it over edp, not dp x cp)
     part: str  # Part.*
+    trainable: bool = True  # requires_grad as built: a frozen one has no gradient or optimizer state
 
     @property
     def numel(self) -> int:
@@ -196,7 +197,7 @@ def cut_rank(
         applied = apply_dimensions(module, config, RankMesh(layout, rank), None, combination, steps=CUT_STEPS)
     is_expert = applied.ep.is_expert if applied.ep is not None else (lambda name: False)
     tensors = [
-        HeldTensor(n, tuple(p.shape), full[n], p.element_size(), is_expert(n), _part(n, plan))
+        HeldTensor(n, tuple(p.shape), full[n], p.element_size(), is_expert(n), _part(n, plan), p.requires_grad)
         for n, p in module.named_parameters()  # unique: a tied weight is held once
     ]
     blocks = {b for t in tensors if (b := _block_index(t.name, plan)) is not None}

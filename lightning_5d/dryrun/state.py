@@ -12,7 +12,8 @@ For each parameter piece of ``n`` elements a rank holds after tp / ep / pp
   (fp32 master gradients), ``2n + 4L`` at ZeRO-1 (``4L`` with fp32 accumulation), ``4L`` at
   ZeRO-2; optimizer ``12L`` (fp32 master + two moments; ``12n`` at ZeRO-0). In fp32: params
   ``4n``, gradients ``4n`` (``4L`` at ZeRO-2), optimizer ``8L`` (``8n`` at ZeRO-0): the
-  master slices alias the parameters.
+  master slices alias the parameters. A frozen tensor (``requires_grad=False`` as built) holds
+  its parameter bytes only: no gradient, no fp32 master, no moments.
 
 The shard group is dp_shard x cp for dense tensors and edp_shard (dp_shard x cp / ep) for
 routed experts; ``r`` is this rank's place in it (``RankMesh``). This is the
@@ -110,7 +111,9 @@ def tensor_state(t: HeldTensor, rules: StateRules, group: tuple[int, int]) -> tu
     if rules.zero == ZeroStage.PARAMETERS:
         rows = t.shape[0] if t.shape else 1
         s = chunk_rows(rows, size, index) * (n // rows if rows else 0)
-        return w * s, w * s, 2 * w * s
+        return (w * s, w * s, 2 * w * s) if t.trainable else (w * s, 0, 0)
+    if not t.trainable:  # no gradient, no master, no moments (ZeRO-0..2 leave it whole)
+        return (2 if rules.low_precision_params else w) * n, 0, 0
     sliced = n if rules.zero == ZeroStage.NONE else flat_slice(n, size, index)
     if rules.low_precision_params:
         params = 2 * n

@@ -27,8 +27,11 @@ class MasterWeights:
         self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []  # (model parameter, fp32 master)
         for group in optimizer.param_groups:
             for i, p in enumerate(group["params"]):
-                if p.dtype in LOW_PRECISION:  # ZeRO-1/2 masters and ZeRO-3 shards are fp32 already
-                    master = nn.Parameter(p.detach().float(), requires_grad=p.requires_grad)
+                # ZeRO-1/2 masters and ZeRO-3 shards are fp32 already. A frozen parameter gets none: it
+                # would be a full fp32 copy the optimizer never steps (setup's FrozenAtSetup refuses
+                # its unfreezing later, where it would then be stepped in low precision).
+                if p.dtype in LOW_PRECISION and p.requires_grad:
+                    master = nn.Parameter(p.detach().float())
                     group["params"][i] = master
                     self._pairs.append((p, master))
         self._param_of = {id(m): p for p, m in self._pairs}

@@ -229,6 +229,7 @@ class TensorParallel:
         self._replaced: dict[int, nn.Parameter] = {}  # id of a full parameter -> its shard
         self._cut_of: dict[int, TensorShard] = {}  # id of a shard -> how it was cut
         self._hooks: list = []
+        self.partial_grads_hooked = False  # the sums run in hooks on the trainable parameters
         self._apply(root)
 
     # ------------------------------------------------------------------ sharding
@@ -455,8 +456,9 @@ class TensorParallel:
             return grad
 
         params = dict(root.named_parameters())
+        self.partial_grads_hooked = True
         for name in sorted(self.sequence_partial):
-            if name in params and params[name].requires_grad:
+            if name in params and params[name].requires_grad:  # a frozen one: parallel/frozen.py
                 self._hooks.append(params[name].register_hook(hook))
 
     def sync_sequence_parallel_grads(self, root: nn.Module) -> None:

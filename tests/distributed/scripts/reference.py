@@ -9,15 +9,16 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import default_collate
 
-from tests_support import BATCH_SIZE, MODELS, RecordingLM, make_datamodule
+from tests_support import BATCH_SIZE, MODELS, RecordingLM, make_datamodule, unfreeze_matching
 
 
 def reference_run(steps: int, data_ranks: int, accumulate: int = 1, clip: float | None = None,
                   dtype: torch.dtype = torch.float32, num_samples: int | None = None, model: str = "tiny",
                   batch_size: int = BATCH_SIZE, aux_loss_coef: float = 0.0,
-                  initial_state: dict | None = None):  # fmt: skip
+                  initial_state: dict | None = None, freeze: str | None = None,
+                  unfreeze_at: int | None = None):  # fmt: skip
     L.seed_everything(0, verbose=False)
-    model = RecordingLM(config=MODELS[model]).to(dtype)
+    model = RecordingLM(config=MODELS[model], freeze=freeze).to(dtype)
     if initial_state is not None:  # pretrained weights in place of the seeded initialization
         model.load_state_dict(initial_state)
     router_probs = []
@@ -32,6 +33,8 @@ def reference_run(steps: int, data_ranks: int, accumulate: int = 1, clip: float 
     batches_per_epoch = len(dataset) // global_batch
     losses = []
     for step in range(steps):
+        if step == unfreeze_at:
+            unfreeze_matching(model, freeze)
         optimizer.zero_grad()
         for micro in range(accumulate):
             epoch, k = divmod(step * accumulate + micro, batches_per_epoch)

@@ -1,6 +1,7 @@
 """Shared by the multi-process scripts and the single-process references of the tests."""
 
 import json
+import re
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -29,15 +30,32 @@ BATCH_SIZE = 2  # per data rank
 NUM_SAMPLES = 256
 
 
+def freeze_matching(module: torch.nn.Module, pattern: str | None) -> None:
+    """Freeze (``requires_grad_(False)``) the parameters whose names match ``pattern``, as a user
+    fine-tuning part of a model does where it builds the model."""
+    if pattern is not None:
+        for name, param in module.named_parameters():
+            if re.search(pattern, name):
+                param.requires_grad_(False)
+
+
+def unfreeze_matching(module: torch.nn.Module, pattern: str) -> None:
+    for name, param in module.named_parameters():
+        if re.search(pattern, name):
+            param.requires_grad_(True)
+
+
 class RecordingLM(LlamaLM):
     """The reference model, unchanged, plus a record of each micro-batch's loss."""
 
-    def __init__(self, config: LlamaConfig = TINY, **kwargs):
+    def __init__(self, config: LlamaConfig = TINY, freeze: str | None = None, **kwargs):
         # Lightning records this frame's arguments as hyperparameters: keep them plain
         # data so checkpoints load with torch.load(weights_only=True).
         config = asdict(config) if isinstance(config, LlamaConfig) else config
         super().__init__(config=config, **kwargs)
         self.losses = []
+        self.freeze = freeze
+        freeze_matching(self, freeze)
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
@@ -57,6 +75,7 @@ class ConfiguredLM(RecordingLM):
         if getattr(self, "model", None) is None:
             config = self.hparams.config
             self.model = LlamaModel(config if isinstance(config, LlamaConfig) else LlamaConfig(**config))
+            freeze_matching(self, self.freeze)
 
 
 def make_datamodule(num_samples: int | None = None, batch_size: int = BATCH_SIZE) -> TextDataModule:

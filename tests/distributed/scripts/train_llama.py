@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import lightning_5d
 from lightning_5d.accounting import SavedActivationMeter, model_state_bytes
-from tests_support import MODELS, ConfiguredLM, RecordingLM, make_datamodule
+from tests_support import MODELS, ConfiguredLM, RecordingLM, make_datamodule, unfreeze_matching
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--zero", default="1", help="0-3, or 'auto': Trainer(strategy='5d'), the planner's layout")
@@ -67,6 +67,11 @@ parser.add_argument("--verify", default="auto", choices=["auto", "blocks", "off"
 parser.add_argument("--chunk-bytes", type=int, default=None,
                     help="meta builds: recompute tensors above this many bytes in row chunks of this size")
 parser.add_argument("--pretrained", default=None, help="FiveDStrategy(pretrained=...); loaded.pt: the state it loaded")
+parser.add_argument("--freeze", default=None,
+                    help="a regex: parameters whose names match it are frozen (requires_grad_(False)) where the model is built")
+parser.add_argument("--unfreeze-at", type=int, default=None,
+                    help="with --freeze: make the frozen parameters trainable again before this step (a fine-tuning "
+                         "schedule's unfreezing, as Lightning's BackboneFinetuning does)")
 parser.add_argument("--out", required=True)
 
 
@@ -80,6 +85,17 @@ class RecordLoaded(L.Callback):
         state = trainer.strategy.full_model_state()  # a collective: every rank
         if dist.get_rank() == 0:
             torch.save({k: v.detach().clone() for k, v in state.items()}, self.out / "loaded.pt")
+
+
+class Unfreeze(L.Callback):
+    """Before step ``step``, the parameters ``pattern`` froze take gradients again."""
+
+    def __init__(self, pattern: str, step: int):
+        self.pattern, self.step = pattern, step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            unfreeze_matching(pl_module, self.pattern)
 
 
 class MeasureModelState(L.Callback):
@@ -118,9 +134,9 @@ def run(args: argparse.Namespace) -> None:
     """One training run as the arguments say; rank 0 writes result.json and params.pt in --out."""
     L.seed_everything(0)
     # Built where the reference builds it (right after seeding), or later on the meta device.
-    model = RecordingLM(config=MODELS[args.model]) if args.build == "eager" else None
+    model = RecordingLM(config=MODELS[args.model], freeze=args.freeze) if args.build == "eager" else None
     if args.build == "configure":
-        model = ConfiguredLM(config=MODELS[args.model])
+        model = ConfiguredLM(config=MODELS[args.model], freeze=args.freeze)
     if args.zero == "auto":
         strategy = "5d"
     else:
@@ -156,6 +172,8 @@ def run(args: argparse.Namespace) -> None:
     callbacks = [measure, logged_losses]
     if args.pretrained:
         callbacks.append(RecordLoaded(Path(args.out)))
+    if args.unfreeze_at is not None:
+        callbacks.append(Unfreeze(args.freeze, args.unfreeze_at))
     if args.save:
         callbacks.append(ModelCheckpoint(dirpath=args.out, filename="{epoch}", save_top_k=-1, save_on_train_epoch_end=True))
     if args.save_every:
@@ -202,7 +220,7 @@ def run(args: argparse.Namespace) -> None:
     )
     if args.build == "meta":
         with trainer.init_module(empty_init=True):
-            model = RecordingLM(config=MODELS[args.model])
+            model = RecordingLM(config=MODELS[args.model], freeze=args.freeze)
     batch_size = {"batch_size": args.batch_size} if args.batch_size else {}
     trainer.fit(model, datamodule=make_datamodule(args.num_samples, **batch_size), ckpt_path=args.resume)
     strategy = trainer.strategy

@@ -129,3 +129,20 @@ def test_state_loaded_through_the_model_params_keeps_fp32_bits():
         for key in ("exp_avg", "exp_avg_sq"):
             assert fresh.state[master][key].dtype == torch.float32
             assert torch.equal(fresh.state[master][key], saved["state"][i][key])  # no trip through bf16
+
+
+def test_a_frozen_parameter_gets_no_master():
+    """A frozen bf16 weight in the optimizer (a fine-tuning's frozen base) would otherwise cost a
+    full fp32 copy the optimizer never steps."""
+    model = bf16_model()
+    model[0].weight.requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    masters = MasterWeights(opt)
+    assert len(masters) == 3
+    held = opt.param_groups[0]["params"]
+    assert held[0] is model[0].weight and all(p.dtype == torch.float32 for p in held[1:])
+    model(torch.randn(4, 8, dtype=torch.bfloat16)).float().sum().backward()
+    masters.move_grads()
+    before = model[0].weight.detach().clone()
+    opt.step()
+    assert torch.equal(model[0].weight, before) and not opt.state.get(model[0].weight)

@@ -1,0 +1,75 @@
+"""Parameters frozen at setup that the gradient machinery relies on staying frozen.
+
+ZeRO-0..2 (``parallel/data/zero.py``) lay out their buckets, reduction hooks and optimizer
+slices for the parameters that require gradients at setup, as DDP and Megatron's gradient
+buffers do; tensor parallelism registers its sum over tp of partial gradients (sequence-parallel
+norms, per-head q/k norms) on the same ones. A parameter frozen then (``requires_grad_(False)``
+in ``__init__`` or ``configure_model``) and made trainable during training (a fine-tuning
+schedule's unfreezing) would train on this rank's unreduced gradient: the ranks drift apart
+and the numbers leave one process's without a word (measured: 1.7e-2 relative on the tiny
+model's parameters two steps after unfreezing under ZeRO-1 over 2 ranks).
+
+:class:`FrozenAtSetup` remembers those parameters and refuses, before the first backward's
+gradients are reduced or stepped, once one of them requires gradients. ZeRO-3 (FSDP2) reduces
+whichever parameters have gradients, and the tp sums run after its backward on every gradient
+there is, so nothing is watched under it. Freezing a trainable parameter later is fine
+everywhere: it simply gets no gradient, which every engine handles as a parameter no rank used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+
+class FrozenParameterError(RuntimeError):
+    """A parameter frozen at setup requires gradients now, where the layout cannot train it."""
+
+
+@dataclass(frozen=True)
+class FrozenAtSetup:
+    """The watched parameters (name, parameter) and why each set is watched."""
+
+    params: tuple[tuple[str, nn.Parameter], ...]
+    reasons: tuple[str, ...]
+
+    @classmethod
+    def watch(cls, module: nn.Module, zero_stage: int | None, tp_partial: set[str] | None,
+              masters: bool = False) -> FrozenAtSetup | None:  # fmt: skip
+        """``zero_stage``: the ZeRO-0..2 engines' stage where they exist; ``tp_partial``: the names
+        whose partial gradients tp sums through hooks on the trainable ones (None: no hooks);
+        ``masters``: low-precision parameters get fp32 optimizer masters (``MasterWeights``), made
+        for the trainable ones only (a frozen one's would be a full fp32 copy never used)."""
+        frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+        watched: dict[int, tuple[str, nn.Parameter]] = {}
+        reasons = []
+        if zero_stage is not None and frozen:
+            watched.update((id(p), (n, p)) for n, p in frozen)
+            reasons.append(f"zero={zero_stage} reduces and shards only the gradients of parameters trainable at "
+                           f"setup, so these would step on this rank's own gradient and the ranks would drift "
+                           f"apart")  # fmt: skip
+        if masters and frozen:
+            watched.update((id(p), (n, p)) for n, p in frozen)
+            reasons.append("bf16 mixed precision made fp32 optimizer masters only for parameters trainable at "
+                           "setup, so these would be stepped in bf16")  # fmt: skip
+        partial = [(n, p) for n, p in frozen if tp_partial and n in tp_partial]
+        if partial:
+            watched.update((id(p), (n, p)) for n, p in partial)
+            reasons.append("tensor parallelism sums the partial gradients of replicated norms over tp only for "
+                           "parameters trainable at setup, so these would step on this rank's partial gradient")  # fmt: skip
+        return cls(tuple(watched.values()), tuple(reasons)) if watched else None
+
+    def check(self) -> None:
+        """Raise :class:`FrozenParameterError` if a watched parameter requires gradients now."""
+        woke = [n for n, p in self.params if p.requires_grad]
+        if not woke:
+            return
+        shown = ", ".join(woke[:4]) + (f" and {len(woke) - 4} more" if len(woke) > 4 else "")
+        raise FrozenParameterError(
+            f"{len(woke)} parameter(s) frozen when FiveDStrategy set up training now require gradients ({shown}), "
+            f"but {'; and '.join(self.reasons)}. Either use zero=3, which reduces whichever parameters have "
+            f"gradients and keeps fp32 shards; or leave them trainable from the start and hold them still with "
+            f"lr=0 in their own optimizer parameter group until they should train; or unfreeze them before "
+            f"Trainer.fit."
+        )

@@ -1,0 +1,123 @@
+"""Fine-tuning with frozen parameters: they stay frozen and hold no gradient or optimizer state;
+unfreezing them during training matches one process where the layout supports it and is
+refused before a wrong step where it does not (lightning_5d/parallel/frozen.py).
+
+Frozen here: the embedding (vocab-parallel under tp), one column-cut projection and one norm
+whose gradient sequence parallelism sums over tp. The reference freezes (and unfreezes) the
+same parameters of the unchanged model in one process (tests/distributed/scripts/reference.py).
+"""
+
+import re
+
+import lightning as L
+import pytest
+import torch
+
+from reference import reference_run
+from tests_support import SCRIPTS, TINY, LayoutRuns, RecordingLM, assert_equivalent, run_distributed, selected_cases
+
+from lightning_5d.config import ParallelConfig, ZeroStage
+from lightning_5d.dimensions import combination_for
+from lightning_5d.dryrun.startup import startup_classes
+from lightning_5d.dryrun.state import StateRules
+
+FROZEN = r"embed_tokens|layers\.0\.attention\.q_proj|layers\.1\.mlp_norm"
+STEPS = 4
+BF16 = ("--precision", "bf16-mixed", "--reduce-dtype", "bf16")  # FiveDPrecision: bf16 parameters, fp32 masters
+UNFREEZE_AT = 2
+
+# (nproc, zero, tp, pp, extra script args)
+FAST = [
+    (2, 1, 2, 1, ("--sp", "--build", "meta")),  # tp + SP: frozen shards and a frozen SP norm
+    (2, 2, 1, 1, ()),  # ZeRO-2 over 2 ranks: no bucket, slice or moment for the frozen ones
+    (2, 3, 1, 1, ("--build", "meta", "--unfreeze-at", str(UNFREEZE_AT))),  # FSDP2 reduces whatever has a gradient
+    (2, 1, 1, 1, BF16),  # bf16 parameters: no fp32 master for a frozen one (bytes only: the reference is fp32)
+]
+EXTENDED = [
+    (4, 3, 2, 1, ("--sp", "--build", "meta", "--unfreeze-at", str(UNFREEZE_AT))),
+    (4, 3, 1, 2, ("--build", "meta", "--microbatches", "2", "--unfreeze-at", str(UNFREEZE_AT))),
+    (4, 1, 2, 1, ()),  # tp2 x ZeRO-1 over 2 data ranks
+    (2, 1, 1, 2, ("--build", "meta", "--microbatches", "2")),
+    (2, 1, 1, 1, ("--build", "meta", "--cp", "2")),
+]
+PARAMS = "nproc,zero,tp,pp,extra"
+
+
+def layout_case(test_name: str, params: dict):
+    if not test_name.startswith("test_frozen_"):
+        return None
+    key = tuple(params[name] for name in PARAMS.split(","))
+    nproc, zero, tp, pp, extra = key
+    options = dict(zero=zero, steps=STEPS, tp=tp, extra=("--pp", str(pp), "--freeze", FROZEN, *extra))
+    return key, (nproc, options)
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    return LayoutRuns(tmp_path_factory.mktemp("frozen"), selected_cases(request, layout_case))
+
+
+def _arg(extra, flag, default=None):
+    return extra[extra.index(flag) + 1] if flag in extra else default
+
+
+def check(runs, nproc, zero, tp, pp, extra):
+    result, params = runs[(nproc, zero, tp, pp, extra)]
+    cp = int(_arg(extra, "--cp", 1))
+    unfreeze = _arg(extra, "--unfreeze-at")
+    unfreeze = None if unfreeze is None else int(unfreeze)
+    bf16 = extra == BF16
+    if not bf16:
+        ref_losses, ref_params = reference_run(STEPS, nproc // (tp * pp * cp), freeze=FROZEN, unfreeze_at=unfreeze)
+        assert_equivalent(result["losses"], params, ref_losses, ref_params)
+        frozen = [k for k in ref_params if re.search(FROZEN, k)]
+        assert len(frozen) == 3
+        if unfreeze is None:  # bit for bit the initial values one process keeps
+            assert all(torch.equal(params[k], ref_params[k]) for k in frozen)
+        else:  # and they trained once unfrozen
+            L.seed_everything(0, verbose=False)
+            initial = RecordingLM(TINY).state_dict()
+            assert not any(torch.equal(params[k], initial[k]) for k in frozen)
+    # What each rank measured before its 2nd optimizer step (still frozen then) is what the
+    # start-up dry run counts for a model built with these parameters frozen.
+    config = ParallelConfig.from_mapping({"zero": zero, "tp": tp, "pp": pp, "cp": cp, "dp_shard": "auto",
+                                          "sequence_parallel": "--sp" in extra,
+                                          "pipeline": {"microbatches": _arg(extra, "--microbatches")}})  # fmt: skip
+    layout = config.resolve(nproc)
+    rules = StateRules(zero=ZeroStage(zero), low_precision_params=bf16)
+    combination = combination_for(config, layout, None, False)
+    classes = startup_classes(lambda: RecordingLM(TINY, freeze=FROZEN), config, layout, combination, rules)
+    counted = {r: c.state for c in classes for r in c.ranks}
+    for rank, measured in enumerate(result["model_state_bytes"]):
+        state = counted[rank]
+        assert (measured["params"], measured["grads"], measured["optimizer"]) == (
+            state.params, state.grads, state.optimizer), rank  # fmt: skip
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(PARAMS, FAST)
+def test_frozen_parameters_train_as_in_one_process(runs, nproc, zero, tp, pp, extra):
+    check(runs, nproc, zero, tp, pp, extra)
+
+
+@pytest.mark.distributed
+@pytest.mark.extended
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(PARAMS, EXTENDED)
+def test_frozen_parameters_train_as_in_one_process_more_layouts(runs, nproc, zero, tp, pp, extra):
+    check(runs, nproc, zero, tp, pp, extra)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_unfreezing_under_zero1_is_refused_before_a_wrong_step(tmp_path):
+    """ZeRO-1 laid out its reduction for the parameters trainable at setup: a parameter unfrozen
+    later would step on this rank's own gradient. The first backward after it is refused."""
+    args = ["--zero", "1", "--steps", str(STEPS), "--freeze", FROZEN, "--unfreeze-at", str(UNFREEZE_AT),
+            "--out", str(tmp_path)]  # fmt: skip
+    run = run_distributed(SCRIPTS / "train_llama.py", 2, args, timeout=200)
+    assert run.returncode != 0 and not run.timed_out, run.output[-3000:]
+    assert "FrozenParameterError: 3 parameter(s) frozen" in run.output
+    assert "model.embed_tokens.weight" in run.output and "use zero=3" in run.output
+    assert not (tmp_path / "result.json").exists()

@@ -1,0 +1,45 @@
+"""FrozenAtSetup: which frozen parameters a layout relies on, and the refusal once one trains."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_5d.parallel.frozen import FrozenAtSetup, FrozenParameterError
+
+
+def model() -> nn.Module:
+    m = nn.Sequential(nn.Embedding(16, 8), nn.LayerNorm(8), nn.Linear(8, 8))
+    m[0].weight.requires_grad_(False)
+    m[1].weight.requires_grad_(False)
+    return m
+
+
+def test_nothing_is_watched_without_machinery_that_leaves_frozen_parameters_out():
+    assert FrozenAtSetup.watch(model(), zero_stage=None, tp_partial=None) is None
+    assert FrozenAtSetup.watch(nn.Linear(2, 2), zero_stage=1, tp_partial=None, masters=True) is None  # none frozen
+
+
+@pytest.mark.parametrize("zero_stage,masters", [(0, False), (2, False), (None, True)])
+def test_zero_engines_and_low_precision_masters_watch_every_frozen_parameter(zero_stage, masters):
+    m = model()
+    watch = FrozenAtSetup.watch(m, zero_stage=zero_stage, tp_partial=None, masters=masters)
+    assert [n for n, _ in watch.params] == ["0.weight", "1.weight"]
+    watch.check()  # still frozen: fine
+    m[2].weight.requires_grad_(False)  # freezing a trainable one later is fine too
+    watch.check()
+    m[1].weight.requires_grad_(True)
+    with pytest.raises(FrozenParameterError, match=r"1 parameter\(s\) frozen .*\(1\.weight\).*use zero=3") as err:
+        watch.check()
+    assert ("reduces and shards only" in str(err.value)) == (zero_stage is not None)
+    assert ("stepped in bf16" in str(err.value)) == masters
+
+
+def test_tp_watches_only_the_frozen_parameters_whose_partial_gradients_it_sums():
+    m = model()
+    watch = FrozenAtSetup.watch(m, zero_stage=None, tp_partial={"1.weight", "1.bias"})
+    assert [n for n, _ in watch.params] == ["1.weight"]
+    m[0].weight.requires_grad_(True)  # no ZeRO engine: the embedding trains on its own gradient, as one process
+    watch.check()
+    m[1].weight.requires_grad_(True)
+    with pytest.raises(FrozenParameterError, match="sums the partial gradients"):
+        watch.check()
