@@ -173,6 +173,10 @@ class AppliedDimensions:
         zero = int(self.zero.stage) if self.zero is not None else None
         tp_partial = self.tp.sequence_partial if self.tp is not None and self.tp.partial_grads_hooked else None
         self.frozen = FrozenAtSetup.watch(module, zero, tp_partial, masters)
+        if self.frozen is not None and self.pp is not None:
+            # Stages hold different parameters: checked inside the run, whose failure flag stops
+            # every rank with it (a check after the run would leave the other stages waiting).
+            self.pp.checks_before_run.append(self.frozen.check)
 
     def start_backward(self) -> None:
         """Before each backward's gradients are reduced (under pp: after the schedule's backward)."""

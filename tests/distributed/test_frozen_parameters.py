@@ -121,3 +121,18 @@ def test_unfreezing_under_zero1_is_refused_before_a_wrong_step(tmp_path):
     assert "FrozenParameterError: 3 parameter(s) frozen" in run.output
     assert "model.embed_tokens.weight" in run.output and "use zero=3" in run.output
     assert not (tmp_path / "result.json").exists()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_unfreezing_on_one_pipeline_stage_stops_every_rank_with_its_error(tmp_path):
+    """Only the first stage holds the unfrozen embedding: it refuses inside the run and keeps its
+    place in the schedule, and the other stage stops at the run's failure flag, naming it."""
+    args = ["--zero", "1", "--pp", "2", "--microbatches", "2", "--build", "meta", "--steps", str(STEPS),
+            "--freeze", "embed_tokens", "--unfreeze-at", str(UNFREEZE_AT), "--out", str(tmp_path)]  # fmt: skip
+    run = run_distributed(SCRIPTS / "train_llama.py", 4, args, timeout=200)
+    assert run.returncode != 0 and not run.timed_out, run.output[-3000:]
+    assert run.output.count("FrozenParameterError: 1 parameter(s) frozen") >= 2  # ranks 0 and 1 (stage 0)
+    assert "PipelinePeerError: the pipeline stage on rank 0 failed during the training step: " \
+           "FrozenParameterError" in run.output  # fmt: skip
+    assert "Connection closed by peer" not in run.output

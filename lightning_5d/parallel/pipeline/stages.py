@@ -205,6 +205,8 @@ class PipelineParallel:
         self.times = StageTimes()
         # A training run's first failure on this rank (its stages then stand in: _Stage).
         self.failures = StepFailures()
+        # Checks before each training run whose verdict may differ by stage (parallel/frozen.py).
+        self.checks_before_run: list[Callable[[], None]] = []
         self.current_microbatch: dict[int, int] = {}
         self.running_stage: int | None = None
         self._incoming: Tensor | None = None
@@ -389,6 +391,13 @@ class PipelineParallel:
         except Exception as err:  # noqa: BLE001 - raised on every rank by agree(), below
             self.failures.record(err)
         if not self.failures.failed:
+            # A check may fail on some stages only: such a rank keeps its place in the schedule
+            # with stand-ins, so that its peers finish the run and meet it at the flag.
+            for check in self.checks_before_run:
+                try:
+                    check()
+                except Exception as err:  # noqa: BLE001 - raised on every rank by agree(), below
+                    self.failures.record(err)
             self._run_schedule()
         self.failures.agree(self.device)
 
