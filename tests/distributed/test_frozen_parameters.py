@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from reference import reference_run
-from tests_support import SCRIPTS, TINY, LayoutRuns, RecordingLM, assert_equivalent, run_distributed, selected_cases
+from tests_support import MODELS, SCRIPTS, LayoutRuns, RecordingLM, assert_equivalent, run_distributed, selected_cases
 
 from lightning_5d.config import ParallelConfig, ZeroStage
 from lightning_5d.dimensions import combination_for
@@ -22,6 +22,7 @@ from lightning_5d.dryrun.startup import startup_classes
 from lightning_5d.dryrun.state import StateRules
 
 FROZEN = r"embed_tokens|layers\.0\.attention\.q_proj|layers\.1\.mlp_norm"
+MOE_FROZEN = r"router|shared_experts"
 STEPS = 4
 BF16 = ("--precision", "bf16-mixed", "--reduce-dtype", "bf16")  # FiveDPrecision: bf16 parameters, fp32 masters
 UNFREEZE_AT = 2
@@ -39,6 +40,10 @@ EXTENDED = [
     (4, 1, 2, 1, ()),  # tp2 x ZeRO-1 over 2 data ranks
     (2, 1, 1, 2, ("--build", "meta", "--microbatches", "2")),
     (2, 1, 1, 1, ("--build", "meta", "--cp", "2")),
+    # MoE fine-tuning: router and shared experts frozen, routed experts trained, under ep2
+    (2, 1, 1, 1, ("--build", "meta", "--ep", "2", "--model", "tiny_moe", "--freeze", MOE_FROZEN)),
+    (4, 3, 2, 1, ("--build", "meta", "--ep", "2", "--model", "tiny_moe", "--freeze", MOE_FROZEN,
+                  "--unfreeze-at", str(UNFREEZE_AT))),  # fmt: skip
 ]
 PARAMS = "nproc,zero,tp,pp,extra"
 
@@ -67,26 +72,29 @@ def check(runs, nproc, zero, tp, pp, extra):
     unfreeze = _arg(extra, "--unfreeze-at")
     unfreeze = None if unfreeze is None else int(unfreeze)
     bf16 = extra == BF16
+    pattern, model = _arg(extra, "--freeze", FROZEN), _arg(extra, "--model", "tiny")
     if not bf16:
-        ref_losses, ref_params = reference_run(STEPS, nproc // (tp * pp * cp), freeze=FROZEN, unfreeze_at=unfreeze)
+        ref_losses, ref_params = reference_run(STEPS, nproc // (tp * pp * cp), model=model, freeze=pattern,
+                                               unfreeze_at=unfreeze)  # fmt: skip
         assert_equivalent(result["losses"], params, ref_losses, ref_params)
-        frozen = [k for k in ref_params if re.search(FROZEN, k)]
-        assert len(frozen) == 3
+        frozen = [k for k in ref_params if re.search(pattern, k)]
+        assert len(frozen) >= 3
         if unfreeze is None:  # bit for bit the initial values one process keeps
             assert all(torch.equal(params[k], ref_params[k]) for k in frozen)
         else:  # and they trained once unfrozen
             L.seed_everything(0, verbose=False)
-            initial = RecordingLM(TINY).state_dict()
+            initial = RecordingLM(MODELS[model]).state_dict()
             assert not any(torch.equal(params[k], initial[k]) for k in frozen)
     # What each rank measured before its 2nd optimizer step (still frozen then) is what the
     # start-up dry run counts for a model built with these parameters frozen.
     config = ParallelConfig.from_mapping({"zero": zero, "tp": tp, "pp": pp, "cp": cp, "dp_shard": "auto",
+                                          "ep": int(_arg(extra, "--ep", 1)),
                                           "sequence_parallel": "--sp" in extra,
                                           "pipeline": {"microbatches": _arg(extra, "--microbatches")}})  # fmt: skip
     layout = config.resolve(nproc)
     rules = StateRules(zero=ZeroStage(zero), low_precision_params=bf16)
     combination = combination_for(config, layout, None, False)
-    classes = startup_classes(lambda: RecordingLM(TINY, freeze=FROZEN), config, layout, combination, rules)
+    classes = startup_classes(lambda: RecordingLM(MODELS[model], freeze=pattern), config, layout, combination, rules)
     counted = {r: c.state for c in classes for r in c.ranks}
     for rank, measured in enumerate(result["model_state_bytes"]):
         state = counted[rank]

@@ -111,7 +111,13 @@ def apply_expert_fsdp(experts, mesh: ParallelMesh, mp_policy: MixedPrecisionPoli
         # Each expert's gradient already sums its whole ep group's tokens: the sum over edp
         # covers every dp x cp rank once, so divide by dp x cp rather than by the edp size.
         module.set_gradient_divide_factor(float(mesh.size("dp_cp")))
-        module.set_force_sum_reduction_for_comms(True)  # a sum plus a scale: gloo has no PREMUL_SUM
+        # A sum plus a scale: gloo has no PREMUL_SUM. Not where each expert lives on one rank of its
+        # shard group (edp_shard = 1, e.g. ep = dp_shard x cp): torch (2.13) then skips the
+        # reduce-scatter and divides by the factor, and with a forced sum divides by it once more
+        # afterwards (expert gradients at 1/(dp x cp) of their value; Adam hid it at 1e-4). Without
+        # it, the division happens once and the only collective left is the replicas' all-reduce SUM.
+        if mesh.size("edp_shard") > 1:
+            module.set_force_sum_reduction_for_comms(True)
         units.append(module)  # type: ignore[arg-type]
     gather_in_place(units)
     return units
