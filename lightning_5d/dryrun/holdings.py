@@ -25,11 +25,11 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_5d.config import Layout, ParallelConfig
-from lightning_5d.dimensions import STEPS, apply_dimensions
+from lightning_5d.dimensions import STEPS, apply_dimensions, rewrites_forward
 from lightning_5d.dryrun.rank_mesh import RankMesh
 from lightning_5d.layout_rules import Combination
 from lightning_5d.materialize.record import func_name
-from lightning_5d.plan import discover
+from lightning_5d.plan import ModelMappingError, discover
 from lightning_5d.plan.model_plan import ModelPlan
 
 # The steps that decide which tensors a rank holds and at which shape.
@@ -116,7 +116,10 @@ def quiet_rank_zero() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _part(name: str, plan: ModelPlan) -> str:
+def _part(name: str, plan: ModelPlan | None) -> str:
+    if plan is None:  # a layout that needs no plan, of a model discovery cannot map (Unsplit.of)
+        return Part.OTHER
+
     def under(path: str | None) -> bool:
         return bool(path) and (name == path or name.startswith(path + "."))
 
@@ -131,8 +134,8 @@ def _part(name: str, plan: ModelPlan) -> str:
     return Part.OTHER
 
 
-def _block_index(name: str, plan: ModelPlan) -> str | None:
-    if not name.startswith(plan.blocks + "."):
+def _block_index(name: str, plan: ModelPlan | None) -> str | None:
+    if plan is None or not name.startswith(plan.blocks + "."):
         return None
     return name[len(plan.blocks) + 1 :].split(".", 1)[0]
 
@@ -174,14 +177,21 @@ def on_meta(build: Callable[[], nn.Module]) -> nn.Module:
 class Unsplit:
     """The whole model's plan and parameter shapes (one discovery serves every rank)."""
 
-    plan: ModelPlan
+    plan: ModelPlan | None  # None: the layout needs no plan and discovery could not map the model
     shapes: dict[str, tuple[int, ...]]
 
     @classmethod
-    def of(cls, build: Callable[[], nn.Module], config: ParallelConfig) -> "Unsplit":
+    def of(cls, build: Callable[[], nn.Module], config: ParallelConfig, needs_plan: bool = True) -> "Unsplit":
+        """``needs_plan``: a dimension of the layout reads the plan. Without one (data parallelism alone)
+        a model discovery cannot map (adapter wrappers, say) is still counted, without its parts."""
         module = on_meta(build)
         with quiet_rank_zero():
-            plan = discover(module, config.model_plan)
+            try:
+                plan = discover(module, config.model_plan)
+            except ModelMappingError:
+                if needs_plan:
+                    raise
+                plan = None
         return cls(plan, {n: tuple(p.shape) for n, p in module.named_parameters()})
 
 
@@ -215,7 +225,7 @@ def cut_classes(
         mesh = RankMesh(layout, rank)
         key = tuple(mesh.local_rank(d) if d != "ep" or layout.ep > 1 else 0 for d in dims)
         members.setdefault(key, []).append(rank)
-    unsplit = Unsplit.of(build, config)
+    unsplit = Unsplit.of(build, config, rewrites_forward(config, RankMesh(layout, 0), None, combination))
     cuts = []
     for key, ranks in members.items():
         tensors, blocks = cut_rank(build, config, layout, combination, ranks[0], unsplit)

@@ -21,7 +21,10 @@ from torch import nn
 
 from lightning_5d.plan import assemble, observe, paths, published, registry, structural
 from lightning_5d.plan import explicit as explicit_source
+from lightning_5d.plan.adapters import adapter_wrappers
+from lightning_5d.plan.adapters import refusal as adapter_refusal
 from lightning_5d.plan.attention_probe import ObservedAttention, observe_attention
+from lightning_5d.plan.blocks import ModelMappingError
 from lightning_5d.plan.hints import BlockHints, Merged, TopHints, merge
 from lightning_5d.plan.model_plan import ModelPlan, PlanSource
 from lightning_5d.plan.patterns import (
@@ -90,6 +93,9 @@ def discover(
     naming the missing part, with a ``model_plan`` snippet that would fix it, and
     ``PlanConflictError`` for an explicit plan that contradicts itself or the model.
     """
+    wrappers = adapter_wrappers(module)
+    if wrappers:  # before any source maps a wrapper, or a model_plan points into one (plan/adapters.py)
+        raise ModelMappingError(f"Cannot map {type(module).__name__} for parallelism: {adapter_refusal(wrappers)}.")
     use = frozenset(PlanSource(s) for s in sources)
     pattern_sources = _pattern_sources(module, explicit or {}, use)
     top = _merge_top(module, pattern_sources, use)

@@ -33,6 +33,9 @@ FAST = [
     (2, 2, 1, 1, ()),  # ZeRO-2 over 2 ranks: no bucket, slice or moment for the frozen ones
     (2, 3, 1, 1, ("--build", "meta", "--unfreeze-at", str(UNFREEZE_AT))),  # FSDP2 reduces whatever has a gradient
     (2, 1, 1, 1, BF16),  # bf16 parameters: no fp32 master for a frozen one (bytes only: the reference is fp32)
+    # LoRA (peft's layout) on q_proj and v_proj, everything else frozen: data parallelism needs no plan
+    (2, 3, 1, 1, ("--build", "meta", "--freeze", "lora")),
+    (2, 1, 1, 1, ("--freeze", "lora")),
 ]
 EXTENDED = [
     (4, 3, 2, 1, ("--sp", "--build", "meta", "--unfreeze-at", str(UNFREEZE_AT))),
@@ -77,7 +80,7 @@ def check(runs, nproc, zero, tp, pp, extra):
         ref_losses, ref_params = reference_run(STEPS, nproc // (tp * pp * cp), model=model, freeze=pattern,
                                                unfreeze_at=unfreeze)  # fmt: skip
         assert_equivalent(result["losses"], params, ref_losses, ref_params)
-        frozen = [k for k in ref_params if re.search(pattern, k)]
+        frozen = [k for k in ref_params if ("lora_" not in k if pattern == "lora" else re.search(pattern, k))]
         assert len(frozen) >= 3
         if unfreeze is None:  # bit for bit the initial values one process keeps
             assert all(torch.equal(params[k], ref_params[k]) for k in frozen)
@@ -144,3 +147,16 @@ def test_unfreezing_on_one_pipeline_stage_stops_every_rank_with_its_error(tmp_pa
     assert "PipelinePeerError: the pipeline stage on rank 0 failed during the training step: " \
            "FrozenParameterError" in run.output  # fmt: skip
     assert "Connection closed by peer" not in run.output
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_lora_adapters_under_tensor_parallelism_are_refused_before_training(tmp_path):
+    """tp cuts plain projections; an adapter's branch is not cut (plan/adapters.py), and a model_plan
+    pointed at the base would leave it whole: refused in discovery, naming the wrapper and what trains it."""
+    args = ["--zero", "1", "--tp", "2", "--steps", "2", "--freeze", "lora", "--out", str(tmp_path)]
+    run = run_distributed(SCRIPTS / "train_llama.py", 2, args, timeout=200)
+    assert run.returncode != 0 and not run.timed_out, run.output[-3000:]
+    assert "it holds adapter-wrapped projections: model.layers.0.attention.q_proj (LoraLinear" in run.output
+    assert "zero=0..3 needs no plan" in run.output
+    assert "ProbeError" not in run.output  # refused in discovery, not by the verifier's run of the model

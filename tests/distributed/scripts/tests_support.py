@@ -45,6 +45,41 @@ def unfreeze_matching(module: torch.nn.Module, pattern: str) -> None:
             param.requires_grad_(True)
 
 
+class LoraLinear(torch.nn.Module):
+    """A low-rank adapter around a frozen linear, laid out as peft's LoRA layer is: ``base_layer``,
+    ``lora_A.default`` and ``lora_B.default`` (B starts at zero, so the model starts unchanged)."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int = 4, alpha: float = 8.0):
+        super().__init__()
+        self.base_layer = base.requires_grad_(False)
+        self.lora_A = torch.nn.ModuleDict({"default": torch.nn.Linear(base.in_features, rank, bias=False)})
+        self.lora_B = torch.nn.ModuleDict({"default": torch.nn.Linear(rank, base.out_features, bias=False)})
+        torch.nn.init.zeros_(self.lora_B["default"].weight)
+        self.scaling = alpha / rank
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_B["default"](self.lora_A["default"](x)) * self.scaling
+
+
+def add_lora(module: torch.nn.Module, targets: tuple[str, ...] = ("q_proj", "v_proj")) -> None:
+    """Freeze every parameter and wrap the ``targets`` linears in :class:`LoraLinear` (peft's default
+    for Llama: the query and value projections)."""
+    module.requires_grad_(False)
+    for name, child in list(module.named_modules()):
+        for target in targets:
+            inner = getattr(child, target, None)
+            if isinstance(inner, torch.nn.Linear):
+                setattr(child, target, LoraLinear(inner))
+
+
+def apply_freeze(module: torch.nn.Module, freeze: str | None) -> None:
+    """``freeze``: "lora" (:func:`add_lora`), or a regex of the parameter names to freeze."""
+    if freeze == "lora":
+        add_lora(module)
+    else:
+        freeze_matching(module, freeze)
+
+
 class RecordingLM(LlamaLM):
     """The reference model, unchanged, plus a record of each micro-batch's loss."""
 
@@ -55,7 +90,7 @@ class RecordingLM(LlamaLM):
         super().__init__(config=config, **kwargs)
         self.losses = []
         self.freeze = freeze
-        freeze_matching(self, freeze)
+        apply_freeze(self, freeze)
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
@@ -75,7 +110,7 @@ class ConfiguredLM(RecordingLM):
         if getattr(self, "model", None) is None:
             config = self.hparams.config
             self.model = LlamaModel(config if isinstance(config, LlamaConfig) else LlamaConfig(**config))
-            freeze_matching(self, self.freeze)
+            apply_freeze(self, self.freeze)
 
 
 def make_datamodule(num_samples: int | None = None, batch_size: int = BATCH_SIZE) -> TextDataModule:

@@ -72,6 +72,7 @@ parser.add_argument("--freeze", default=None,
 parser.add_argument("--unfreeze-at", type=int, default=None,
                     help="with --freeze: make the frozen parameters trainable again before this step (a fine-tuning "
                          "schedule's unfreezing, as Lightning's BackboneFinetuning does)")
+parser.add_argument("--model-plan", default=None, help="FiveDStrategy(model_plan=...), as JSON")
 parser.add_argument("--out", required=True)
 
 
@@ -163,6 +164,7 @@ def run(args: argparse.Namespace) -> None:
             bucket_size_mb=0.05,
             verify=args.verify,
             pretrained=args.pretrained,
+            model_plan=json.loads(args.model_plan) if args.model_plan else None,
         )
         if args.chunk_bytes is not None:  # small, so that the tiny model's tensors go the chunked way
             strategy._meta.chunk_bytes = args.chunk_bytes
