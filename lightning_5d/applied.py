@@ -45,6 +45,7 @@ class AppliedDimensions:
     _experts: set[int] = field(default_factory=set)
     _tied_copies: set[int] = field(default_factory=set)  # a tied weight's copy another pp rank counts
     frozen: FrozenAtSetup | None = None  # parameters frozen at setup that must stay so (watch_frozen)
+    frozen_masters: FrozenAtSetup | None = None  # frozen bf16 ones without an fp32 master (this fit's)
 
     # ------------------------------------------------------------------ re-entry
     def already_applied(self, module: nn.Module) -> bool:
@@ -166,22 +167,29 @@ class AppliedDimensions:
                 self.zero.require_sync = True
             set_gradient_sync(self.fsdp_units, True)
 
-    def watch_frozen(self, module: nn.Module, masters: bool) -> None:
-        """Once every dimension is applied: remember the frozen parameters the ZeRO-0..2 engines,
-        tp's partial-gradient hooks and (``masters``) the fp32 optimizer masters of low-precision
-        parameters leave out (``parallel/frozen.py``)."""
+    def watch_frozen(self, module: nn.Module) -> None:
+        """Once every dimension is applied: remember the frozen parameters the ZeRO-0..2 engines and
+        tp's partial-gradient hooks leave out (``parallel/frozen.py``)."""
         zero = int(self.zero.stage) if self.zero is not None else None
         tp_partial = self.tp.sequence_partial if self.tp is not None and self.tp.partial_grads_hooked else None
-        self.frozen = FrozenAtSetup.watch(module, zero, tp_partial, masters)
-        if self.frozen is not None and self.pp is not None:
+        self.frozen = FrozenAtSetup.watch(module, zero, tp_partial)
+        if self.pp is not None:
             # Stages hold different parameters: checked inside the run, whose failure flag stops
             # every rank with it (a check after the run would leave the other stages waiting).
-            self.pp.checks_before_run.append(self.frozen.check)
+            self.pp.checks_before_run.append(self.check_frozen)
+
+    def watch_masters(self, module: nn.Module, precision: FiveDPrecision) -> None:
+        """After this fit's optimizers got their fp32 masters: the frozen bf16 parameters left without one."""
+        self.frozen_masters = FrozenAtSetup.without_masters(module, precision.frozen_without_master)
+
+    def check_frozen(self) -> None:
+        for watch in (self.frozen, self.frozen_masters):
+            if watch is not None:
+                watch.check()
 
     def start_backward(self) -> None:
         """Before each backward's gradients are reduced (under pp: after the schedule's backward)."""
-        if self.frozen is not None:
-            self.frozen.check()
+        self.check_frozen()
         if self.zero is not None:
             self.zero.start_backward()
 

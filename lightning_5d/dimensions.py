@@ -413,9 +413,7 @@ def apply_dimensions(
         step.check(ctx)
     for step in active:
         step.apply(ctx)
-    # Low-precision parameters (cast in Prepare: ZeRO-0..2) get fp32 masters once the optimizers exist.
-    masters = ctx.precision is not None and config.zero != ZeroStage.PARAMETERS
-    ctx.applied.watch_frozen(module, masters)
+    ctx.applied.watch_frozen(module)
     return ctx.applied
 
 

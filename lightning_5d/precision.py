@@ -159,6 +159,7 @@ class FiveDPrecision(Precision):
         self._fp8_root: nn.Module | None = None
         self._fp8_suspended = False
         self._masters: dict[int, MasterWeights] = {}
+        self.frozen_without_master: list[nn.Parameter] = []  # this fit's (MasterWeights.frozen)
 
     @classmethod
     def from_string(cls, text: str, **kwargs: Any) -> "FiveDPrecision":
@@ -319,12 +320,14 @@ class FiveDPrecision(Precision):
     # ------------------------------------------------------------------ optimizer
     def reset_masters(self) -> None:
         """Forget the masters of an earlier fit (their optimizers are gone)."""
+        self.frozen_without_master = []
         for masters in self._masters.values():
             masters.remove()
         self._masters.clear()
 
     def add_master_weights(self, optimizer: torch.optim.Optimizer) -> None:
         masters = MasterWeights(optimizer)
+        self.frozen_without_master += masters.frozen
         if len(masters):
             self._masters[id(optimizer)] = masters
         else:

@@ -263,6 +263,7 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
             if precision is not None:  # bf16 parameters the optimizers still hold get fp32 masters
                 automatic = self.lightning_module.automatic_optimization
                 precision.attach_masters(self.optimizers, automatic, int(self.zero_stage))
+                self._applied.watch_masters(self.lightning_module, precision)
         self.setup_precision_plugin()
         if self._applied.clips_globally:
             self._applied.index_clipping(self.lightning_module, precision)

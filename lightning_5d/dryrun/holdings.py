@@ -225,6 +225,7 @@ def cut_classes(
         mesh = RankMesh(layout, rank)
         key = tuple(mesh.local_rank(d) if d != "ep" or layout.ep > 1 else 0 for d in dims)
         members.setdefault(key, []).append(rank)
+    # Without the precision plugin (the cut steps run without one), FP8 is not seen as needing the plan.
     unsplit = Unsplit.of(build, config, rewrites_forward(config, RankMesh(layout, 0), None, combination))
     cuts = []
     for key, ranks in members.items():

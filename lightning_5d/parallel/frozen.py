@@ -35,12 +35,9 @@ class FrozenAtSetup:
     reasons: tuple[str, ...]
 
     @classmethod
-    def watch(cls, module: nn.Module, zero_stage: int | None, tp_partial: set[str] | None,
-              masters: bool = False) -> FrozenAtSetup | None:  # fmt: skip
+    def watch(cls, module: nn.Module, zero_stage: int | None, tp_partial: set[str] | None) -> FrozenAtSetup | None:
         """``zero_stage``: the ZeRO-0..2 engines' stage where they exist; ``tp_partial``: the names
-        whose partial gradients tp sums through hooks on the trainable ones (None: no hooks);
-        ``masters``: low-precision parameters get fp32 optimizer masters (``MasterWeights``), made
-        for the trainable ones only (a frozen one's would be a full fp32 copy never used)."""
+        whose partial gradients tp sums through hooks on the trainable ones (None: no hooks)."""
         frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
         watched: dict[int, tuple[str, nn.Parameter]] = {}
         reasons = []
@@ -49,16 +46,22 @@ class FrozenAtSetup:
             reasons.append(f"zero={zero_stage} reduces and shards only the gradients of parameters trainable at "
                            f"setup, so these would step on this rank's own gradient and the ranks would drift "
                            f"apart")  # fmt: skip
-        if masters and frozen:
-            watched.update((id(p), (n, p)) for n, p in frozen)
-            reasons.append("bf16 mixed precision made fp32 optimizer masters only for parameters trainable at "
-                           "setup, so these would be stepped in bf16")  # fmt: skip
         partial = [(n, p) for n, p in frozen if tp_partial and n in tp_partial]
         if partial:
             watched.update((id(p), (n, p)) for n, p in partial)
             reasons.append("tensor parallelism sums the partial gradients of replicated norms over tp only for "
                            "parameters trainable at setup, so these would step on this rank's partial gradient")  # fmt: skip
         return cls(tuple(watched.values()), tuple(reasons)) if watched else None
+
+    @classmethod
+    def without_masters(cls, module: nn.Module, params: list[nn.Parameter]) -> FrozenAtSetup | None:
+        """The frozen bf16 parameters this fit's optimizers hold without an fp32 master
+        (``FiveDPrecision.frozen_without_master``, made when the optimizers are)."""
+        held = {id(p) for p in params}
+        watched = tuple((n, p) for n, p in module.named_parameters() if id(p) in held)
+        reason = ("bf16 mixed precision made fp32 optimizer masters only for parameters trainable when the "
+                  "optimizers were set up, so these would be stepped in bf16")  # fmt: skip
+        return cls(watched, (reason,)) if watched else None
 
     def check(self) -> None:
         """Raise :class:`FrozenParameterError` if a watched parameter requires gradients now."""
@@ -71,5 +74,5 @@ class FrozenAtSetup:
             f"but {'; and '.join(self.reasons)}. Either use zero=3, which reduces whichever parameters have "
             f"gradients and keeps fp32 shards; or leave them trainable from the start and hold them still with "
             f"lr=0 in their own optimizer parameter group until they should train; or unfreeze them before "
-            f"Trainer.fit."
+            f"setup (a new Trainer's fit sets up anew)."
         )

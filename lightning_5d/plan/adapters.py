@@ -14,22 +14,23 @@ Tensor parallelism cuts plain projections; a wrapped one would need its branch c
 which it does not do yet, and pointing a ``model_plan`` at the base leaves the branch whole (a
 shape mismatch in the user's forward). Discovery therefore refuses a model with wrappers for the
 dimensions that need a plan, naming them, instead of proposing a ``model_plan``
-that cannot work. Data parallelism needs no plan: adapters train under ZeRO-0..3 as one process
-(tests/distributed/test_frozen_parameters.py).
+that cannot work. Data parallelism needs no plan: adapters train there as in one process (tested
+at ZeRO-1 and ZeRO-3: tests/distributed/test_frozen_parameters.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import islice
 
 from torch import nn
 
 from lightning_5d.plan import kinds
 
 
-# A wrapper holds its base and a few adapters' (A, B) pairs; an attention or MLP module holding
-# more linears than this is not looked at (and the scan stays linear in the model's size).
-MAX_LINEARS = 9
+# A wrapper holds its base and its adapters' (A, B) pairs (up to 8 adapters); a module holding
+# more linears (a block, the model) is not a wrapper, and its count stops there.
+MAX_LINEARS = 17
 
 
 @dataclass(frozen=True)
@@ -40,11 +41,11 @@ class AdapterWrapper:
     kind: str  # the wrapper's class name
     base: str
     branches: tuple[tuple[str, str], ...]
-    rank: int
+    ranks: tuple[int, ...]  # each branch's r
 
     def describe(self) -> str:
-        pairs = ", ".join(f"{a} -> {b}" for a, b in self.branches)
-        return (f"{self.path} ({self.kind}: linear {self.base} with the rank-{self.rank} branch {pairs})")  # fmt: skip
+        pairs = ", ".join(f"{a} -> {b} (rank {r})" for (a, b), r in zip(self.branches, self.ranks))
+        return f"{self.path} ({self.kind}: linear {self.base} with the low-rank branch {pairs})"
 
 
 def adapter_wrapper(path: str, module: nn.Module) -> AdapterWrapper | None:
@@ -52,7 +53,8 @@ def adapter_wrapper(path: str, module: nn.Module) -> AdapterWrapper | None:
     under it is one base ``I -> O`` or part of an ``I -> r -> O`` pair with ``r < min(I, O)``."""
     if kinds.is_projection(module):
         return None
-    linears = [(n, m) for n, m in module.named_modules() if n and kinds.is_projection(m)]
+    # Stop counting past MAX_LINEARS: a block's or the whole model's modules are not read to the end.
+    linears = list(islice(((n, m) for n, m in module.named_modules() if n and kinds.is_projection(m)), MAX_LINEARS + 1))
     if not 3 <= len(linears) <= MAX_LINEARS:  # a base and at least one pair; a block holds more
         return None
     for base_name, base in linears:
@@ -70,7 +72,7 @@ def adapter_wrapper(path: str, module: nn.Module) -> AdapterWrapper | None:
                 b = next(u for u in ups_left if u[1] == rank)
                 ups_left.remove(b)
                 pairs.append((a, b[0]))
-            return AdapterWrapper(path, type(module).__name__, base_name, tuple(pairs), downs[0][1])
+            return AdapterWrapper(path, type(module).__name__, base_name, tuple(pairs), tuple(r for _, r in downs))
     return None
 
 

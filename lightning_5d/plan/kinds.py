@@ -20,7 +20,9 @@ def projection_kind(module: nn.Module) -> ProjectionKind | None:
         return ProjectionKind.PACKED_IN_PROJ if packed else None
     if isinstance(module, nn.Linear):
         return ProjectionKind.LINEAR
-    weight = getattr(module, "weight", None)
+    # Its own parameter: a wrapper's `weight` property (peft's LoRA layer, a class named `Linear` with
+    # in_features and out_features) returns its base layer's, and the wrapper is not a linear layer.
+    weight = module._parameters.get("weight")
     if not isinstance(weight, nn.Parameter) or weight.dim() != 2:
         return None
     name = type(module).__name__

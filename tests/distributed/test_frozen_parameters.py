@@ -7,6 +7,7 @@ whose gradient sequence parallelism sums over tp. The reference freezes (and unf
 same parameters of the unchanged model in one process (tests/distributed/scripts/reference.py).
 """
 
+import json
 import re
 
 import lightning as L
@@ -122,15 +123,25 @@ def test_frozen_parameters_train_as_in_one_process_more_layouts(runs, nproc, zer
 
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
-def test_unfreezing_under_zero1_is_refused_before_a_wrong_step(tmp_path):
-    """ZeRO-1 laid out its reduction for the parameters trainable at setup: a parameter unfrozen
-    later would step on this rank's own gradient. The first backward after it is refused."""
-    args = ["--zero", "1", "--steps", str(STEPS), "--freeze", FROZEN, "--unfreeze-at", str(UNFREEZE_AT),
+@pytest.mark.parametrize("layout,frozen,expected", [
+    (("--zero", "1"), FROZEN, "3 parameter(s) frozen when FiveDStrategy set up training now require gradients "
+                              "(model.embed_tokens.weight, model.layers.0.attention.q_proj.weight, model.layers.1.mlp_norm.weight), "
+                              "but zero=1 reduces and shards only"),
+    (("--zero", "1", "--tp", "2", "--sp"), r"layers\.1\.mlp_norm", "but tensor parallelism sums the partial gradients"),
+    (("--zero", "1", "--tp", "2", *BF16), r"layers\.0\.attention\.q_proj", "so these would be stepped in bf16"),
+], ids=["zero1-dp2", "tp2-sp-one-data-rank", "bf16-masters-one-data-rank"])  # fmt: skip
+def test_unfreezing_where_the_layout_left_frozen_parameters_out_is_refused_before_a_wrong_step(
+    tmp_path, layout, frozen, expected
+):  # fmt: skip
+    """ZeRO-0..2's reduction, tp's partial-gradient sums and bf16's fp32 masters were laid out for
+    the parameters trainable at setup: one unfrozen later would step on this rank's own (partial)
+    gradient, or in bf16. The first backward after it is refused."""
+    args = [*layout, "--steps", str(STEPS), "--freeze", frozen, "--unfreeze-at", str(UNFREEZE_AT),
             "--out", str(tmp_path)]  # fmt: skip
     run = run_distributed(SCRIPTS / "train_llama.py", 2, args, timeout=200)
     assert run.returncode != 0 and not run.timed_out, run.output[-3000:]
-    assert "FrozenParameterError: 3 parameter(s) frozen" in run.output
-    assert "model.embed_tokens.weight" in run.output and "use zero=3" in run.output
+    assert "FrozenParameterError: " in run.output and expected in run.output, run.output[-3000:]
+    assert "use zero=3" in run.output
     assert not (tmp_path / "result.json").exists()
 
 
@@ -149,12 +160,25 @@ def test_unfreezing_on_one_pipeline_stage_stops_every_rank_with_its_error(tmp_pa
     assert "Connection closed by peer" not in run.output
 
 
+LORA_PLAN = {"model.embed_tokens": "embedding", "model.layers": "blocks",
+             "model.layers.*.attention": "attention(heads=4, kv_heads=2)",
+             "model.layers.*.attention.q_proj.base_layer": "attention.q", "model.layers.*.attention.k_proj": "attention.k",
+             "model.layers.*.attention.v_proj.base_layer": "attention.v", "model.layers.*.attention.o_proj": "attention.o",
+             "model.layers.*.mlp.gate_proj": "mlp.column", "model.layers.*.mlp.up_proj": "mlp.column",
+             "model.layers.*.mlp.down_proj": "mlp.row", "model.layers.*.attention_norm": "norm",
+             "model.layers.*.mlp_norm": "norm", "model.norm": "final_norm", "model.lm_head": "head"}  # fmt: skip
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(240)
-def test_lora_adapters_under_tensor_parallelism_are_refused_before_training(tmp_path):
+@pytest.mark.parametrize("plan", [None, LORA_PLAN], ids=["discovered", "model_plan_at_the_base"])
+def test_lora_adapters_under_tensor_parallelism_are_refused_before_training(tmp_path, plan):
     """tp cuts plain projections; an adapter's branch is not cut (plan/adapters.py), and a model_plan
-    pointed at the base would leave it whole: refused in discovery, naming the wrapper and what trains it."""
+    pointed at the base would leave it whole (a shape mismatch in the adapter's forward): refused
+    in discovery, naming the wrapper and what trains it."""
     args = ["--zero", "1", "--tp", "2", "--steps", "2", "--freeze", "lora", "--out", str(tmp_path)]
+    if plan is not None:
+        args += ["--model-plan", json.dumps(plan)]
     run = run_distributed(SCRIPTS / "train_llama.py", 2, args, timeout=200)
     assert run.returncode != 0 and not run.timed_out, run.output[-3000:]
     assert "it holds adapter-wrapped projections: model.layers.0.attention.q_proj (LoraLinear" in run.output

@@ -25,15 +25,19 @@ class MasterWeights:
             raise RuntimeError("master weights must be made before the optimizer's first step.")
         self.optimizer = optimizer
         self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []  # (model parameter, fp32 master)
+        # Frozen low-precision parameters the optimizer holds without a master: a master would be a
+        # full fp32 copy never stepped; unfreezing one is refused (lightning_5d/parallel/frozen.py).
+        self.frozen: list[nn.Parameter] = []
         for group in optimizer.param_groups:
             for i, p in enumerate(group["params"]):
-                # ZeRO-1/2 masters and ZeRO-3 shards are fp32 already. A frozen parameter gets none: it
-                # would be a full fp32 copy the optimizer never steps (setup's FrozenAtSetup refuses
-                # its unfreezing later, where it would then be stepped in low precision).
-                if p.dtype in LOW_PRECISION and p.requires_grad:
-                    master = nn.Parameter(p.detach().float())
-                    group["params"][i] = master
-                    self._pairs.append((p, master))
+                if p.dtype not in LOW_PRECISION:  # ZeRO-1/2 masters and ZeRO-3 shards are fp32 already
+                    continue
+                if not p.requires_grad:
+                    self.frozen.append(p)
+                    continue
+                master = nn.Parameter(p.detach().float())
+                group["params"][i] = master
+                self._pairs.append((p, master))
         self._param_of = {id(m): p for p, m in self._pairs}
         self._hook = optimizer.register_step_post_hook(lambda *_: self.copy_to_model())
 

@@ -40,6 +40,8 @@ def freeze_matching(module: torch.nn.Module, pattern: str | None) -> None:
 
 
 def unfreeze_matching(module: torch.nn.Module, pattern: str) -> None:
+    if pattern is None or pattern == "lora":
+        raise ValueError("--unfreeze-at takes the regex of --freeze")
     for name, param in module.named_parameters():
         if re.search(pattern, name):
             param.requires_grad_(True)
@@ -47,15 +49,21 @@ def unfreeze_matching(module: torch.nn.Module, pattern: str) -> None:
 
 class LoraLinear(torch.nn.Module):
     """A low-rank adapter around a frozen linear, laid out as peft's LoRA layer is: ``base_layer``,
-    ``lora_A.default`` and ``lora_B.default`` (B starts at zero, so the model starts unchanged)."""
+    ``lora_A.default`` and ``lora_B.default`` (B starts at zero, so the model starts unchanged),
+    ``in_features`` / ``out_features`` and a ``weight`` property that returns the base's."""
 
     def __init__(self, base: torch.nn.Linear, rank: int = 4, alpha: float = 8.0):
         super().__init__()
         self.base_layer = base.requires_grad_(False)
+        self.in_features, self.out_features = base.in_features, base.out_features
         self.lora_A = torch.nn.ModuleDict({"default": torch.nn.Linear(base.in_features, rank, bias=False)})
         self.lora_B = torch.nn.ModuleDict({"default": torch.nn.Linear(rank, base.out_features, bias=False)})
         torch.nn.init.zeros_(self.lora_B["default"].weight)
         self.scaling = alpha / rank
+
+    @property
+    def weight(self) -> torch.nn.Parameter:
+        return self.base_layer.weight
 
     def forward(self, x):
         return self.base_layer(x) + self.lora_B["default"](self.lora_A["default"](x)) * self.scaling

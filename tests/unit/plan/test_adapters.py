@@ -7,17 +7,28 @@ from torch import nn
 from lightning_5d.models import LlamaConfig, LlamaModel
 from lightning_5d.plan import ModelMappingError, discover
 from lightning_5d.plan.adapters import adapter_wrapper, adapter_wrappers
+from lightning_5d.plan.kinds import is_projection
 
 
-class Lora(nn.Module):
-    """peft's LoRA layer layout: base_layer, lora_A / lora_B as ModuleDicts keyed by adapter."""
+class Linear(nn.Module):
+    """peft's LoRA layer as it looks from outside (peft.tuners.lora.layer.Linear): a class named
+    ``Linear`` with ``in_features`` / ``out_features``, a ``weight`` property returning its base's,
+    ``base_layer``, ``lora_A`` / ``lora_B`` / ``lora_dropout`` ModuleDicts keyed by adapter, and
+    the (empty) embedding and DoRA containers."""
 
     def __init__(self, base: nn.Linear, rank: int = 4, adapters=("default",)):
         super().__init__()
         self.base_layer = base
+        self.in_features, self.out_features = base.in_features, base.out_features
         self.lora_A = nn.ModuleDict({a: nn.Linear(base.in_features, rank, bias=False) for a in adapters})
         self.lora_B = nn.ModuleDict({a: nn.Linear(rank, base.out_features, bias=False) for a in adapters})
         self.lora_dropout = nn.ModuleDict({a: nn.Dropout(0.0) for a in adapters})
+        self.lora_embedding_A, self.lora_embedding_B = nn.ParameterDict(), nn.ParameterDict()
+        self.lora_magnitude_vector = nn.ModuleDict()
+
+    @property
+    def weight(self) -> nn.Parameter:
+        return self.base_layer.weight
 
     def forward(self, x):
         return self.base_layer(x) + sum(self.lora_B[a](self.lora_A[a](x)) for a in self.lora_A)
@@ -38,10 +49,12 @@ class LatentAttention(nn.Module):  # DeepSeek's MLA: q and kv through low-rank c
 
 
 def test_a_lora_layer_is_found_by_its_shapes_with_every_adapter():
-    wrapper = adapter_wrapper("q_proj", Lora(nn.Linear(64, 32), rank=4, adapters=("default", "other")))
-    assert wrapper.base == "base_layer" and wrapper.rank == 4 and wrapper.kind == "Lora"
+    wrapper = adapter_wrapper("q_proj", Linear(nn.Linear(64, 32), rank=4, adapters=("default", "other")))
+    assert wrapper.base == "base_layer" and wrapper.ranks == (4, 4) and wrapper.kind == "Linear"
     assert set(wrapper.branches) == {("lora_A.default", "lora_B.default"), ("lora_A.other", "lora_B.other")}
-    assert "q_proj (Lora: linear base_layer with the rank-4 branch" in wrapper.describe()
+    assert "q_proj (Linear: linear base_layer with the low-rank branch lora_A.default -> lora_B.default (rank 4)" \
+        in wrapper.describe()  # fmt: skip
+    assert not is_projection(Linear(nn.Linear(64, 32)))  # its `weight` is its base's, not a parameter of its own
 
 
 @pytest.mark.parametrize("module", [nn.Linear(64, 64), Attention(), LatentAttention(),
@@ -55,11 +68,11 @@ def test_discovery_refuses_a_model_with_adapters_naming_them_and_what_trains_it(
     model = LlamaModel(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                                    num_kv_heads=2))  # fmt: skip
     for layer in model.layers:
-        layer.attention.q_proj = Lora(layer.attention.q_proj)
-        layer.attention.v_proj = Lora(layer.attention.v_proj)
+        layer.attention.q_proj = Linear(layer.attention.q_proj)
+        layer.attention.v_proj = Linear(layer.attention.v_proj)
     assert [w.path for w in adapter_wrappers(model)] == [f"layers.{i}.attention.{p}_proj" for i in (0, 1) for p in "qv"]
     explicit = {"layers.*.attention.q_proj.base_layer": "attention.q"}  # a model_plan pointing at the base
     for plan in (None, explicit):
         with pytest.raises(ModelMappingError, match=r"adapter-wrapped projections: layers\.0\.attention\.q_proj "
-                                                    r"\(Lora: .*and 3 more.*zero=0\.\.3 needs no plan"):  # fmt: skip
+                                                    r"\(Linear: .*and 3 more.*zero=0\.\.3 needs no plan"):  # fmt: skip
             discover(model, plan)

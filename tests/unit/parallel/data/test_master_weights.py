@@ -138,7 +138,7 @@ def test_a_frozen_parameter_gets_no_master():
     model[0].weight.requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     masters = MasterWeights(opt)
-    assert len(masters) == 3
+    assert len(masters) == 3 and masters.frozen == [model[0].weight]
     held = opt.param_groups[0]["params"]
     assert held[0] is model[0].weight and all(p.dtype == torch.float32 for p in held[1:])
     model(torch.randn(4, 8, dtype=torch.bfloat16)).float().sum().backward()
