@@ -188,8 +188,10 @@ class AppliedDimensions:
                 watch.check()
 
     def start_backward(self) -> None:
-        """Before each backward's gradients are reduced (under pp: after the schedule's backward)."""
-        self.check_frozen()
+        """Before each backward's gradients are reduced (under pp: after the schedule's backward,
+        whose run checked the frozen parameters already: watch_frozen)."""
+        if self.pp is None:
+            self.check_frozen()
         if self.zero is not None:
             self.zero.start_backward()
 

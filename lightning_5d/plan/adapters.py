@@ -4,8 +4,8 @@ A fine-tuning library (peft's LoRA, or a hand-written adapter) puts a module in 
 place that holds the original linear layer beside a low-rank branch: ``base(x) + B(A(x))`` with
 ``A: I -> r`` and ``B: r -> O`` for a base ``I -> O``, ``r < min(I, O)``. Names differ between
 libraries (peft: ``base_layer``, ``lora_A.default``, ``lora_B.default``), so a wrapper is found
-by what it holds: every linear layer under it (3 to 9 of them) is the base or one of such
-branches. Shapes cannot tell a module whose only linears are ``I -> O`` and an ``I -> r -> O``
+by what it holds: every linear layer under it (3 to ``MAX_LINEARS`` of them) is the base or one
+of such branches. Shapes cannot tell a module whose only linears are ``I -> O`` and an ``I -> r -> O``
 chain used otherwise; the dimensions refused for it would not map it either (its projection slot
 holds no linear layer).
 
@@ -80,7 +80,8 @@ def adapter_wrappers(root: nn.Module) -> list[AdapterWrapper]:
     """The outermost adapter wrappers in ``root``."""
     found: list[AdapterWrapper] = []
     for path, module in root.named_modules():
-        if any(path.startswith(w.path + ".") for w in found):
+        # named_modules walks depth first: a wrapper's own modules come right after it.
+        if found and path.startswith(found[-1].path + "."):
             continue
         wrapper = adapter_wrapper(path, module)
         if wrapper is not None:

@@ -30,21 +30,18 @@ BATCH_SIZE = 2  # per data rank
 NUM_SAMPLES = 256
 
 
-def freeze_matching(module: torch.nn.Module, pattern: str | None) -> None:
-    """Freeze (``requires_grad_(False)``) the parameters whose names match ``pattern``, as a user
-    fine-tuning part of a model does where it builds the model."""
-    if pattern is not None:
-        for name, param in module.named_parameters():
-            if re.search(pattern, name):
-                param.requires_grad_(False)
+def set_trainable_matching(module: torch.nn.Module, pattern: str, trainable: bool) -> None:
+    """``requires_grad_(trainable)`` on the parameters whose names match ``pattern``, as a user
+    fine-tuning part of a model does where it builds the model (or a schedule that unfreezes)."""
+    for name, param in module.named_parameters():
+        if re.search(pattern, name):
+            param.requires_grad_(trainable)
 
 
 def unfreeze_matching(module: torch.nn.Module, pattern: str) -> None:
     if pattern is None or pattern == "lora":
         raise ValueError("--unfreeze-at takes the regex of --freeze")
-    for name, param in module.named_parameters():
-        if re.search(pattern, name):
-            param.requires_grad_(True)
+    set_trainable_matching(module, pattern, True)
 
 
 class LoraLinear(torch.nn.Module):
@@ -84,8 +81,8 @@ def apply_freeze(module: torch.nn.Module, freeze: str | None) -> None:
     """``freeze``: "lora" (:func:`add_lora`), or a regex of the parameter names to freeze."""
     if freeze == "lora":
         add_lora(module)
-    else:
-        freeze_matching(module, freeze)
+    elif freeze is not None:
+        set_trainable_matching(module, freeze, False)
 
 
 class RecordingLM(LlamaLM):
