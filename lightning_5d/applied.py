@@ -137,6 +137,11 @@ class AppliedDimensions:
             device=device,
         )
 
+    def align_random_stream(self, step: int) -> None:
+        """Before a training step: the tp ranks of a replica draw one random stream (tensor/random_stream.py)."""
+        if self.tp is not None:
+            self.tp.random_stream.align(step)
+
     @contextmanager
     def expert_step(self, module: Any) -> Iterator[None]:
         """Around a training step under expert dispatch: load counts and the aux loss for this step."""

@@ -356,6 +356,7 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._applied.align_random_stream(self.lightning_module.trainer.global_step)
         with self._applied.expert_step(self.lightning_module):
             return self._training_step(args, kwargs)
 

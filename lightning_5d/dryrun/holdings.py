@@ -216,17 +216,22 @@ def cut_rank(
 
 def cut_classes(
     build: Callable[[], nn.Module], config: ParallelConfig, layout: Layout, combination: Combination,
-    classes: CutClasses = CutClasses.STAGE,
+    classes: CutClasses = CutClasses.STAGE, plan_needed: bool | None = None,
 ) -> list[RankCut]:  # fmt: skip
-    """One :class:`RankCut` per class of ranks (:class:`CutClasses`), with every rank it covers."""
+    """One :class:`RankCut` per class of ranks (:class:`CutClasses`), with every rank it covers.
+
+    ``plan_needed``: whether the job's steps read the plan, as :func:`rewrites_forward` answers
+    with the job's precision plugin (FP8 rewrites the linears); None: decided here without one.
+    """
     dims = CLASS_DIMS[CutClasses(classes)]
     members: dict[tuple[int, ...], list[int]] = {}
     for rank in range(layout.world_size):
         mesh = RankMesh(layout, rank)
         key = tuple(mesh.local_rank(d) if d != "ep" or layout.ep > 1 else 0 for d in dims)
         members.setdefault(key, []).append(rank)
-    # Without the precision plugin (the cut steps run without one), FP8 is not seen as needing the plan.
-    unsplit = Unsplit.of(build, config, rewrites_forward(config, RankMesh(layout, 0), None, combination))
+    if plan_needed is None:
+        plan_needed = rewrites_forward(config, RankMesh(layout, 0), None, combination)
+    unsplit = Unsplit.of(build, config, plan_needed)
     cuts = []
     for key, ranks in members.items():
         tensors, blocks = cut_rank(build, config, layout, combination, ranks[0], unsplit)

@@ -169,7 +169,7 @@ def dry_run(cfg: Any, recipe: str | None = None, classes: CutClasses = CutClasse
         plan_check=parallel.checks_plan(rewrites),
     )
     model = _plain(cfg.model)
-    found = startup_classes(lambda: LlamaLM(model), parallel, layout, combination, rules, classes)
+    found = startup_classes(lambda: LlamaLM(model), parallel, layout, combination, rules, classes, rewrites)
     spec, setup = check.spec, check.setup
     modelled = spec.replace(num_layers=check.modelled_layers)
     reports = tuple(ClassReport(c, predict(spec, setup, c.blocks, c.first, c.last, modelled)) for c in found)

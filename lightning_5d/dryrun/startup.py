@@ -33,11 +33,12 @@ class RankClass:
 
 def startup_classes(
     build: Callable[[], nn.Module], config: ParallelConfig, layout: Layout, combination: Combination,
-    rules: StateRules, classes: CutClasses = CutClasses.STAGE,
+    rules: StateRules, classes: CutClasses = CutClasses.STAGE, plan_needed: bool | None = None,
 ) -> list[RankClass]:  # fmt: skip
-    """``build``: makes the unsplit model (called under ``torch.device("meta")``)."""
+    """``build``: makes the unsplit model (called under ``torch.device("meta")``). ``plan_needed``:
+    as :func:`~lightning_5d.dryrun.holdings.cut_classes` takes it (the job's precision decides too)."""
     out: list[RankClass] = []
-    for cut in cut_classes(build, config, layout, combination, classes):
+    for cut in cut_classes(build, config, layout, combination, classes, plan_needed):
         parts = cut.parts()
         groups: dict[tuple, list[int]] = {}
         states: dict[tuple, RankState] = {}

@@ -49,6 +49,7 @@ from lightning_5d.parallel.tensor.local_shapes import localize_shapes
 from lightning_5d.parallel.tensor.head_bias import wrap_per_head_bias
 from lightning_5d.parallel.tensor.packed_attention import map_qkv_inputs, run_local_heads
 from lightning_5d.parallel.tensor.regather import RegatherRegion
+from lightning_5d.parallel.tensor.random_stream import SharedRandomStream
 from lightning_5d.parallel.tensor.validate import TensorParallelError, check_block_forwards, in_features, out_features
 from lightning_5d.parallel.tensor.validate import validate_tensor_parallel
 from lightning_5d.parallel.tensor.vocab import vocab_parallel_forward, vocab_range
@@ -218,6 +219,7 @@ class TensorParallel:
         self.rank = tp_mesh.get_local_rank()
         self.sequence_parallel = sequence_parallel
         self.device = placement_device(root, tp_mesh.device_type)  # real even for a meta-built model
+        self.random_stream = SharedRandomStream(self.group, self.device)
         validate_tensor_parallel(plan, root, self.size)
         if sequence_parallel:
             check_block_forwards(plan, root, self.size)

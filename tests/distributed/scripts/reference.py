@@ -16,9 +16,9 @@ def reference_run(steps: int, data_ranks: int, accumulate: int = 1, clip: float 
                   dtype: torch.dtype = torch.float32, num_samples: int | None = None, model: str = "tiny",
                   batch_size: int = BATCH_SIZE, aux_loss_coef: float = 0.0,
                   initial_state: dict | None = None, freeze: str | None = None,
-                  unfreeze_at: int | None = None):  # fmt: skip
+                  unfreeze_at: int | None = None, optimizer_groups: str | None = None):  # fmt: skip
     L.seed_everything(0, verbose=False)
-    model = RecordingLM(config=MODELS[model], freeze=freeze).to(dtype)
+    model = RecordingLM(config=MODELS[model], freeze=freeze, optimizer_groups=optimizer_groups).to(dtype)
     if initial_state is not None:  # pretrained weights in place of the seeded initialization
         model.load_state_dict(initial_state)
     router_probs = []

@@ -85,17 +85,39 @@ def apply_freeze(module: torch.nn.Module, freeze: str | None) -> None:
         set_trainable_matching(module, freeze, False)
 
 
-class RecordingLM(LlamaLM):
-    """The reference model, unchanged, plus a record of each micro-batch's loss."""
+def decay_groups(module: torch.nn.Module, lr: float) -> list[dict]:
+    """Parameter groups as nanoGPT and Hugging Face's Trainer build them: weight decay on the
+    matrices only, none on norms; the embedding (found by name) with its own learning rate."""
+    groups = {"decay": [], "no_decay": [], "embedding": []}
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            groups["embedding" if "embed" in name else "decay" if p.dim() >= 2 else "no_decay"].append(p)
+    options = {"decay": {"weight_decay": 0.1}, "no_decay": {"weight_decay": 0.0},
+               "embedding": {"weight_decay": 0.0, "lr": 0.3 * lr}}  # fmt: skip
+    return [{"params": params, **options[key]} for key, params in groups.items() if params]
 
-    def __init__(self, config: LlamaConfig = TINY, freeze: str | None = None, **kwargs):
+
+class RecordingLM(LlamaLM):
+    """The reference model, unchanged, plus a record of each micro-batch's loss.
+
+    ``optimizer_groups="decay"``: :func:`decay_groups` instead of one group of every parameter."""
+
+    def __init__(self, config: LlamaConfig = TINY, freeze: str | None = None, optimizer_groups: str | None = None,
+                 **kwargs):  # fmt: skip
         # Lightning records this frame's arguments as hyperparameters: keep them plain
         # data so checkpoints load with torch.load(weights_only=True).
         config = asdict(config) if isinstance(config, LlamaConfig) else config
         super().__init__(config=config, **kwargs)
         self.losses = []
         self.freeze = freeze
+        self.optimizer_groups = optimizer_groups
         apply_freeze(self, freeze)
+
+    def configure_optimizers(self):
+        if self.optimizer_groups is None:
+            return super().configure_optimizers()
+        hp = self.hparams
+        return torch.optim.AdamW(decay_groups(self, hp.lr), lr=hp.lr, betas=tuple(hp.betas))
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)

@@ -72,6 +72,8 @@ parser.add_argument("--freeze", default=None,
 parser.add_argument("--unfreeze-at", type=int, default=None,
                     help="with --freeze: make the frozen parameters trainable again before this step (a fine-tuning "
                          "schedule's unfreezing, as Lightning's BackboneFinetuning does)")
+parser.add_argument("--optimizer-groups", default=None, choices=["decay"],
+                    help="configure_optimizers' parameter groups (tests_support.decay_groups)")
 parser.add_argument("--model-plan", default=None, help="FiveDStrategy(model_plan=...), as JSON")
 parser.add_argument("--out", required=True)
 
@@ -135,9 +137,10 @@ def run(args: argparse.Namespace) -> None:
     """One training run as the arguments say; rank 0 writes result.json and params.pt in --out."""
     L.seed_everything(0)
     # Built where the reference builds it (right after seeding), or later on the meta device.
-    model = RecordingLM(config=MODELS[args.model], freeze=args.freeze) if args.build == "eager" else None
+    built = {"config": MODELS[args.model], "freeze": args.freeze, "optimizer_groups": args.optimizer_groups}
+    model = RecordingLM(**built) if args.build == "eager" else None
     if args.build == "configure":
-        model = ConfiguredLM(config=MODELS[args.model], freeze=args.freeze)
+        model = ConfiguredLM(**built)
     if args.zero == "auto":
         strategy = "5d"
     else:
@@ -222,7 +225,7 @@ def run(args: argparse.Namespace) -> None:
     )
     if args.build == "meta":
         with trainer.init_module(empty_init=True):
-            model = RecordingLM(config=MODELS[args.model], freeze=args.freeze)
+            model = RecordingLM(**built)
     batch_size = {"batch_size": args.batch_size} if args.batch_size else {}
     trainer.fit(model, datamodule=make_datamodule(args.num_samples, **batch_size), ckpt_path=args.resume)
     strategy = trainer.strategy

@@ -76,3 +76,31 @@ def test_discovery_refuses_a_model_with_adapters_naming_them_and_what_trains_it(
         with pytest.raises(ModelMappingError, match=r"adapter-wrapped projections: layers\.0\.attention\.q_proj "
                                                     r"\(Linear: .*and 3 more.*zero=0\.\.3 needs no plan"):  # fmt: skip
             discover(model, plan)
+
+
+def test_the_dry_run_counts_an_adapter_model_only_where_no_step_reads_the_plan():
+    """Data parallelism alone counts a LoRA model discovery cannot map; where the job's steps read the
+    plan (FP8 rewrites the linears: the recipe's dry run passes what its precision plugin says), the
+    dry run refuses it as the real run does."""
+    from lightning_5d.config import ParallelConfig, ZeroStage
+    from lightning_5d.dimensions import combination_for
+    from lightning_5d.dryrun.startup import startup_classes
+    from lightning_5d.dryrun.state import StateRules
+
+    def build():
+        model = LlamaModel(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                                       num_heads=4, num_kv_heads=2))  # fmt: skip
+        model.requires_grad_(False)
+        for layer in model.layers:
+            layer.attention.q_proj = Linear(layer.attention.q_proj)
+        return model
+
+    config = ParallelConfig.from_mapping({"zero": 1, "dp_shard": "auto"})
+    layout = config.resolve(2)
+    combination = combination_for(config, layout, None, False)
+    rules = StateRules(zero=ZeroStage.OPTIMIZER, low_precision_params=False)
+    counted = startup_classes(build, config, layout, combination, rules)
+    adapters = 2 * 2 * 4 * 64 * 4  # 2 layers x (A: 4 x 64, B: 64 x 4) fp32
+    assert {c.state.grads for c in counted} == {adapters}
+    with pytest.raises(ModelMappingError, match="adapter-wrapped projections"):
+        startup_classes(build, config, layout, combination, rules, plan_needed=True)
