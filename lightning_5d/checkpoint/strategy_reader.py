@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_5d.checkpoint import files, full, sharded
+from lightning_5d.checkpoint import files, full, optimizer_groups, sharded
 from lightning_5d.checkpoint.errors import CheckpointError, first_problem
 from lightning_5d.checkpoint.lineage import STAMP_KEY, Branch
 from lightning_5d.checkpoint.strategy_state import per_stat, split_dims
@@ -196,6 +196,11 @@ class CheckpointReader:
                         s._zero.load_full_optimizer_state(optimizer, state)
                 except (ValueError, KeyError) as err:
                     raise CheckpointError(f"optimizer {i}'s state does not fit this optimizer: {err}") from err
+        # Lightning restores the schedulers next, from this checkpoint's states (rank 0's).
+        if checkpoint.get("optimizer_param_group_of") is not None:
+            schedulers = s.lightning_module.trainer.lr_scheduler_configs
+            for config, state in zip(schedulers, checkpoint.get("lr_schedulers") or []):
+                optimizer_groups.follow_groups(state, config.scheduler.optimizer.param_groups)
 
     def _read_optimizer(self, path: Path, index: int, optimizer: Any, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
         """Optimizer ``index``'s state, each value at the size its parameter holds on this rank
@@ -203,13 +208,7 @@ class CheckpointReader:
         straight from the stored full-shape tensors' regions."""
         names = self._param_names()
         groups = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
-        stored_groups = checkpoint["optimizer_param_groups"][index]
-        problem = None
-        if len(stored_groups) != len(groups):
-            problem = (
-                f"optimizer {index} in {path} has {len(stored_groups)} parameter groups, this one {len(groups)}; "
-                f"configure_optimizers must build the same groups to resume."
-            )
+        stored_groups, problem = self._stored_group_options(path, index, optimizer, groups, checkpoint)
         problem = first_problem(problem)  # before the read, which every rank must enter
         if problem:
             raise CheckpointError(problem)
@@ -233,6 +232,26 @@ class CheckpointReader:
                 state.setdefault(name, {}).update(stats)
         param_groups = [{**hyper, "params": g} for hyper, g in zip(stored_groups, groups)]
         return {"state": state, "param_groups": param_groups}
+
+    @staticmethod
+    def _stored_group_options(
+        path: Path, index: int, optimizer: Any, groups: list[list[str]], checkpoint: Mapping[str, Any]
+    ) -> tuple[list[dict[str, Any]], str | None]:
+        """The saved options of each of this rank's parameter groups (checkpoint/optimizer_groups.py)."""
+        stored = checkpoint["optimizer_param_groups"][index]
+        group_of = (checkpoint.get("optimizer_param_group_of") or [None] * (index + 1))[index]
+        if group_of is None:  # written before the groups were recorded by name: rank 0's, by position
+            if len(stored) == len(groups):
+                return stored, None
+            return stored, (
+                f"optimizer {index} in {path} has {len(stored)} parameter groups, this one {len(groups)}; "
+                f"configure_optimizers must build the same groups to resume."
+            )
+        own = [({k: v for k, v in g.items() if k != "params"}, names) for g, names in zip(optimizer.param_groups, groups)]
+        options, problem = optimizer_groups.stored_options(own, stored, group_of)
+        if problem is not None:
+            return [], f"optimizer {index} in {path}: {problem}"
+        return options, None
 
     def _optimizer_region(
         self, name: str, param: Tensor, size: tuple[int, ...]

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.checkpoint import CheckpointException
 
-from lightning_5d.checkpoint import files, full, sharded
+from lightning_5d.checkpoint import files, full, optimizer_groups, sharded
 from lightning_5d.checkpoint.errors import CheckpointError, failure, first_problem, raise_if_any
 from lightning_5d.checkpoint.export import hf_info
 from lightning_5d.checkpoint.lineage import STAMP_KEY, Branch
@@ -179,15 +179,18 @@ class CheckpointWriter:
         try:  # a rank that fails here must not leave the others waiting in the collectives below
             tensors = _tensors_of(checkpoint)
             meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-            meta["optimizer_param_groups"] = [
-                [{k: v for k, v in g.items() if k != "params"} for g in o["param_groups"]]
-                for o in checkpoint.get("optimizer_states", [])
-            ]
-            meta["optimizer_nontensor_state"] = _nontensor_stats(checkpoint.get("optimizer_states", []))
+            states = checkpoint.get("optimizer_states", [])
+            mine = (optimizer_groups.local_groups(states), _nontensor_stats(states))
         except Exception as err:
             error = f"{type(err).__name__}: {err}"
         raise_if_any(error, f"preparing checkpoint {final} failed")
-        meta["rng_states"] = self._all_rng_states()
+        # Each pp stage (ep rank) holds its own parameters' groups and states: recorded from every rank.
+        everyone = _from_every_rank(mine)
+        records = optimizer_groups.merge_groups([groups for groups, _ in everyone])
+        meta["optimizer_param_groups"] = [options for options, _ in records]
+        meta["optimizer_param_group_of"] = [group_of for _, group_of in records]
+        meta["optimizer_nontensor_state"] = optimizer_groups.merge_nontensor([stats for _, stats in everyone])
+        meta["rng_states"] = _from_every_rank(_rng_state())
         layout = self._layout_record(contains=[k for k in ("state_dict", "optimizer_states") if k in checkpoint])
 
         # Serialized now: callbacks hand over live objects that change before a background write.
@@ -278,13 +281,15 @@ class CheckpointWriter:
             "hf": hf_info(s.lightning_module),
         }
 
-    def _all_rng_states(self) -> list[dict[str, Any]]:
-        mine = _rng_state()
-        if not dist.is_initialized():
-            return [mine]
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        return everyone
+
+
+def _from_every_rank(mine: Any) -> list[Any]:
+    """``mine`` of every rank, in rank order (a collective)."""
+    if not dist.is_initialized():
+        return [mine]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
 
 
 def _job_id() -> str | None:

@@ -16,9 +16,11 @@ def reference_run(steps: int, data_ranks: int, accumulate: int = 1, clip: float 
                   dtype: torch.dtype = torch.float32, num_samples: int | None = None, model: str = "tiny",
                   batch_size: int = BATCH_SIZE, aux_loss_coef: float = 0.0,
                   initial_state: dict | None = None, freeze: str | None = None,
-                  unfreeze_at: int | None = None, optimizer_groups: str | None = None):  # fmt: skip
+                  unfreeze_at: int | None = None, optimizer_groups: str | None = None,
+                  warmup_steps: int = 0):  # fmt: skip
     L.seed_everything(0, verbose=False)
-    model = RecordingLM(config=MODELS[model], freeze=freeze, optimizer_groups=optimizer_groups).to(dtype)
+    model = RecordingLM(config=MODELS[model], freeze=freeze, optimizer_groups=optimizer_groups,
+                        warmup_steps=warmup_steps).to(dtype)  # fmt: skip
     if initial_state is not None:  # pretrained weights in place of the seeded initialization
         model.load_state_dict(initial_state)
     router_probs = []
@@ -28,7 +30,9 @@ def reference_run(steps: int, data_ranks: int, accumulate: int = 1, clip: float 
     dm = make_datamodule(num_samples)
     dm.setup("fit")
     dataset = dm.train_dataset
-    optimizer = model.configure_optimizers()
+    optimizer, scheduler = model.configure_optimizers(), None
+    if isinstance(optimizer, dict):  # with a per-step learning-rate schedule
+        optimizer, scheduler = optimizer["optimizer"], optimizer["lr_scheduler"]["scheduler"]
     global_batch = batch_size * data_ranks
     batches_per_epoch = len(dataset) // global_batch
     losses = []
@@ -54,4 +58,6 @@ def reference_run(steps: int, data_ranks: int, accumulate: int = 1, clip: float 
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
     return losses, model.state_dict()

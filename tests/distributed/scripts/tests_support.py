@@ -87,13 +87,16 @@ def apply_freeze(module: torch.nn.Module, freeze: str | None) -> None:
 
 def decay_groups(module: torch.nn.Module, lr: float) -> list[dict]:
     """Parameter groups as nanoGPT and Hugging Face's Trainer build them: weight decay on the
-    matrices only, none on norms; the embedding (found by name) with its own learning rate."""
-    groups = {"decay": [], "no_decay": [], "embedding": []}
+    matrices only, none on norms; the embedding and the head (found by name) with learning rates
+    of their own. Under pp2 the first stage builds [embedding, decay, no_decay] and the last
+    [head, decay, no_decay]: as many groups, other options at the same positions."""
+    groups = {"embedding": [], "head": [], "decay": [], "no_decay": []}
     for name, p in module.named_parameters():
         if p.requires_grad:
-            groups["embedding" if "embed" in name else "decay" if p.dim() >= 2 else "no_decay"].append(p)
+            key = "embedding" if "embed" in name else "head" if "lm_head" in name else None
+            groups[key or ("decay" if p.dim() >= 2 else "no_decay")].append(p)
     options = {"decay": {"weight_decay": 0.1}, "no_decay": {"weight_decay": 0.0},
-               "embedding": {"weight_decay": 0.0, "lr": 0.3 * lr}}  # fmt: skip
+               "embedding": {"weight_decay": 0.0, "lr": 0.3 * lr}, "head": {"weight_decay": 0.05, "lr": 0.5 * lr}}
     return [{"params": params, **options[key]} for key, params in groups.items() if params]
 
 
@@ -117,7 +120,11 @@ class RecordingLM(LlamaLM):
         if self.optimizer_groups is None:
             return super().configure_optimizers()
         hp = self.hparams
-        return torch.optim.AdamW(decay_groups(self, hp.lr), lr=hp.lr, betas=tuple(hp.betas))
+        optimizer = torch.optim.AdamW(decay_groups(self, hp.lr), lr=hp.lr, betas=tuple(hp.betas))
+        if hp.warmup_steps <= 0:
+            return optimizer
+        warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / hp.warmup_steps))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)

@@ -74,6 +74,7 @@ parser.add_argument("--unfreeze-at", type=int, default=None,
                          "schedule's unfreezing, as Lightning's BackboneFinetuning does)")
 parser.add_argument("--optimizer-groups", default=None, choices=["decay"],
                     help="configure_optimizers' parameter groups (tests_support.decay_groups)")
+parser.add_argument("--warmup-steps", type=int, default=0, help="LlamaLM's linear warm-up (LambdaLR, per step)")
 parser.add_argument("--model-plan", default=None, help="FiveDStrategy(model_plan=...), as JSON")
 parser.add_argument("--out", required=True)
 
@@ -137,7 +138,8 @@ def run(args: argparse.Namespace) -> None:
     """One training run as the arguments say; rank 0 writes result.json and params.pt in --out."""
     L.seed_everything(0)
     # Built where the reference builds it (right after seeding), or later on the meta device.
-    built = {"config": MODELS[args.model], "freeze": args.freeze, "optimizer_groups": args.optimizer_groups}
+    built = {"config": MODELS[args.model], "freeze": args.freeze, "optimizer_groups": args.optimizer_groups,
+             "warmup_steps": args.warmup_steps}  # fmt: skip
     model = RecordingLM(**built) if args.build == "eager" else None
     if args.build == "configure":
         model = ConfiguredLM(**built)
