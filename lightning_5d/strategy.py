@@ -38,6 +38,7 @@ from lightning_5d.materialize import InitLog, MetaBuild
 from lightning_5d.mesh import ParallelMesh
 from lightning_5d.parallel.context import ContextParallel
 from lightning_5d.parallel.expert import ExpertParallel
+from lightning_5d.parallel.frozen import refuse_finetuning_callbacks
 from lightning_5d.parallel.pipeline import PipelineMode, PipelineParallel
 from lightning_5d.precision import FiveDPrecision
 from lightning_5d.process_exit import leave_together_at_exit, mark_failed
@@ -264,6 +265,7 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
                 automatic = self.lightning_module.automatic_optimization
                 precision.attach_masters(self.optimizers, automatic, int(self.zero_stage))
                 self._applied.watch_masters(self.lightning_module, precision)
+            refuse_finetuning_callbacks(trainer.callbacks, self.optimizers, self.lightning_module, int(self.zero_stage))
         self.setup_precision_plugin()
         if self._applied.clips_globally:
             self._applied.index_clipping(self.lightning_module, precision)

@@ -76,3 +76,30 @@ class FrozenAtSetup:
             f"lr=0 in their own optimizer parameter group until they should train; or unfreeze them before "
             f"setup (a new Trainer's fit sets up anew)."
         )
+
+
+def refuse_finetuning_callbacks(callbacks: list, optimizers: list, module: nn.Module, zero: int) -> None:
+    """Refuse Lightning's fine-tuning callbacks (``BackboneFinetuning``, any ``BaseFinetuning``)
+    where the optimizer does not hold the module's own parameters.
+
+    Those callbacks map every optimizer parameter to its module name by identity at each epoch
+    start, and add a parameter group of module parameters when they unfreeze. Under zero=1/2
+    the optimizer holds flat slices of the parameters, and with bf16 parameters fp32 masters:
+    Lightning's callback then failed inside its own code with a bare ``KeyError`` on a DTensor.
+    """
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    finetuning = [type(c).__name__ for c in callbacks if isinstance(c, BaseFinetuning)]
+    if not finetuning:
+        return
+    own = {id(p) for p in module.parameters()}
+    if all(id(p) in own for opt in optimizers for group in opt.param_groups for p in group["params"]):
+        return
+    held = "flat fp32 slices of each parameter (ZeRO-1/2)" if zero in (1, 2) else "fp32 masters of the bf16 parameters"
+    raise FrozenParameterError(
+        f"{', '.join(finetuning)} maps the optimizer's parameters to the module's by identity and adds the module's "
+        f"parameters as a new group when it unfreezes them, but under zero={zero} the optimizer holds {held}. "
+        f"Use zero=3 with fp32 parameters (bf16-mixed keeps them fp32), which hands the optimizer the module's own "
+        f"(sharded) parameters and trains the unfreezing as one process does; or leave the backbone trainable "
+        f"from the start and hold it still with lr=0 in its own parameter group until it should train."
+    )

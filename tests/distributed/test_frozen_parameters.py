@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from reference import reference_run
-from tests_support import MODELS, SCRIPTS, LayoutRuns, RecordingLM, assert_equivalent, run_distributed, selected_cases
+from tests_support import (MODELS, SCRIPTS, LayoutRuns, RecordingLM, assert_equivalent, parameter_vector_error,
+                           run_distributed, selected_cases)
 
 from lightning_5d.config import ParallelConfig, ZeroStage
 from lightning_5d.dimensions import combination_for
@@ -184,3 +185,23 @@ def test_lora_adapters_under_tensor_parallelism_are_refused_before_training(tmp_
     assert "it holds adapter-wrapped projections: model.layers.0.attention.q_proj (LoraLinear" in run.output
     assert "zero=0..3 needs no plan" in run.output
     assert "ProbeError" not in run.output  # refused in discovery, not by the verifier's run of the model
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_lightnings_backbone_finetuning_trains_under_zero3_and_is_refused_where_the_optimizer_holds_slices(tmp_path):
+    """BackboneFinetuning maps optimizer parameters to module names by identity and adds the backbone
+    as a new group at epoch 1: ZeRO-3 (the module's own sharded parameters) trains it as one process
+    does; under ZeRO-1 (flat slices) it failed inside Lightning with a KeyError, now refused first."""
+    script = SCRIPTS / "backbone_finetuning.py"
+    two, one = tmp_path / "two.pt", tmp_path / "one.pt"
+    run_distributed(script, 2, ["--zero", "1,3", "--batch-size", "2", "--out", str(two)], timeout=240).check()
+    run_distributed(script, 1, ["--zero", "3", "--batch-size", "4", "--out", str(one)], timeout=240).check()
+    results, reference = torch.load(two), torch.load(one)[3]["params"]
+    assert "BackboneFinetuning maps the optimizer's parameters" in results[1]["error"]
+    assert "zero=1 the optimizer holds flat fp32 slices" in results[1]["error"]
+    assert parameter_vector_error(results[3]["params"], reference) <= 1e-5
+    L.seed_everything(0, verbose=False)
+    initial = RecordingLM(MODELS["tiny"]).state_dict()
+    assert not torch.equal(results[3]["params"]["model.layers.0.attention.q_proj.weight"],
+                           initial["model.layers.0.attention.q_proj.weight"])  # the backbone trained once unfrozen

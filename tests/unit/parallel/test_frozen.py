@@ -54,3 +54,20 @@ def test_tp_watches_only_the_frozen_parameters_whose_partial_gradients_it_sums()
     m[1].weight.requires_grad_(True)
     with pytest.raises(FrozenParameterError, match="sums the partial gradients"):
         watch.check()
+
+
+def test_lightnings_finetuning_callbacks_are_refused_only_where_the_optimizer_holds_other_tensors():
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    from lightning_5d.parallel.frozen import refuse_finetuning_callbacks
+
+    module = nn.Linear(4, 4)
+    own = torch.optim.AdamW(module.parameters())
+    master = torch.optim.AdamW([nn.Parameter(torch.zeros(8))])  # a slice or an fp32 master
+    callbacks = [BackboneFinetuning()]
+    refuse_finetuning_callbacks(callbacks, [own], module, zero=3)
+    refuse_finetuning_callbacks([], [master], module, zero=1)
+    with pytest.raises(FrozenParameterError, match=r"BackboneFinetuning .* zero=1 the optimizer holds flat fp32 slices"):
+        refuse_finetuning_callbacks(callbacks, [own, master], module, zero=1)
+    with pytest.raises(FrozenParameterError, match=r"zero=3 the optimizer holds fp32 masters of the bf16 parameters"):
+        refuse_finetuning_callbacks(callbacks, [master], module, zero=3)
