@@ -29,6 +29,24 @@ from lightning_5d.parallel.tensor.vocab import loss_parallel_region
 from lightning_5d.precision import FiveDPrecision
 
 
+class LeftOnModule:
+    """What a FiveDStrategy applied to a module, kept on the module for a later Trainer's strategy.
+
+    Dropped from pickles and deep copies: it holds process groups.
+    """
+
+    ATTRIBUTE = "_lightning_5d_dimensions"
+
+    def __init__(self, config: Any, layout: Any, applied: "AppliedDimensions") -> None:
+        self.config, self.layout, self.applied = config, layout, applied
+
+    def __reduce__(self):
+        return (type(None), ())
+
+    def __deepcopy__(self, memo: dict) -> None:
+        return None
+
+
 @dataclass
 class AppliedDimensions:
     """What the steps built for one module, and what that adds to every training step."""
@@ -67,6 +85,19 @@ class AppliedDimensions:
                 "hooks or FSDP units belong to it); use a new Trainer (and strategy) for a different module."
             )
         return False
+
+    @property
+    def cuts_module(self) -> bool:
+        """Whether the module itself was changed (cut, staged, wrapped or sharded): it cannot be
+        applied again. ZeRO-0..2 alone only hook its parameters: a new strategy re-applies them."""
+        return any(x is not None for x in (self.tp, self.ep, self.cp, self.pp)) or bool(self.fsdp_units)
+
+    def leave_on(self, module: nn.Module, config: Any, layout: Any) -> None:
+        object.__setattr__(module, LeftOnModule.ATTRIBUTE, LeftOnModule(config, layout, self))
+
+    @staticmethod
+    def left_on(module: nn.Module) -> LeftOnModule | None:
+        return module.__dict__.get(LeftOnModule.ATTRIBUTE)
 
     def check_predict(self) -> None:
         if self.cp is not None:

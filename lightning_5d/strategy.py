@@ -31,7 +31,7 @@ from lightning_5d.applied import AppliedDimensions
 from lightning_5d.auto_layout import planned_config
 from lightning_5d.checkpoint.strategy_hooks import CheckpointHooks
 from lightning_5d.checkpoint.options import CheckpointFormat, CheckpointWrite
-from lightning_5d.config import ActivationCheckpointing, Layout, ParallelConfig, VerifyMode, ZeroStage
+from lightning_5d.config import ActivationCheckpointing, Layout, LayoutError, ParallelConfig, VerifyMode, ZeroStage
 from lightning_5d.dimensions import apply_dimensions, combination_for
 from lightning_5d.fp8.numerics_check import log_numerics, loss_without_fp8, numerics_check_due
 from lightning_5d.materialize import InitLog, MetaBuild
@@ -277,11 +277,34 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
         """The dimensions in their fixed order (``lightning_5d.dimensions.STEPS``), once per module."""
         if self._applied.already_applied(module):
             return  # fit after validate: the same module keeps its dimensions
+        if self._adopt_earlier_dimensions(module):
+            return
         precision = self._five_d_precision
         combination = combination_for(self.config, self.layout, precision, self._grad_scaler is not None)
         self._applied = apply_dimensions(
             module, self.config, self.mesh, precision, combination, meta=self._meta, device=self.root_device
         )
+        self._applied.leave_on(module, self.config, self.layout)
+
+    def _adopt_earlier_dimensions(self, module: torch.nn.Module) -> bool:
+        """A module an earlier Trainer's FiveDStrategy already cut (a second fit with a new Trainer,
+        as staged fine-tuning does) keeps those dimensions; they cannot be applied twice. Before
+        this, applying them again re-discovered the cut model (tp: a wrong "give the right head
+        counts" refusal), broadcast FSDP2's DTensors (ZeRO-3) or lost a pipeline peer (pp)."""
+        earlier = AppliedDimensions.left_on(module)
+        if earlier is None or not earlier.applied.cuts_module:
+            return False
+        if earlier.config != self.config or earlier.layout != self.layout:
+            raise LayoutError(
+                f"this module was already parallelized by an earlier FiveDStrategy ({earlier.layout.describe()}, "
+                f"zero={int(earlier.config.zero)}), and a module's dimensions are applied once; this strategy asks "
+                f"for {self.layout.describe()}, zero={int(self.config.zero)} (or other settings). Use the same "
+                f"FiveDStrategy settings for the next Trainer, or build a new module and load the checkpoint into it "
+                f"(a sharded checkpoint loads under any layout)."
+            )
+        self._applied = earlier.applied
+        self._applied.already_applied(module)  # wakes the ZeRO engines, as a second fit with one Trainer does
+        return True
 
     @contextmanager
     @override

@@ -74,7 +74,8 @@ class FrozenAtSetup:
             f"but {'; and '.join(self.reasons)}. Either use zero=3, which reduces whichever parameters have "
             f"gradients and keeps fp32 shards; or leave them trainable from the start and hold them still with "
             f"lr=0 in their own optimizer parameter group until they should train; or unfreeze them before "
-            f"setup (a new Trainer's fit sets up anew)."
+            f"setup (a later Trainer's fit sets up anew where data parallelism alone ran; a module that tp, pp, cp "
+            f"or ep cut keeps its first setup)."
         )
 
 

@@ -8,8 +8,6 @@ where ``case["meta"]``; with a callback drawing on rank 0 only before every step
 per-step losses, norm parameters and realigned streams, and the full trained parameters (tests/distributed/parallel/tensor/test_dropout.py).
 """
 
-import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -22,8 +20,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import lightning_5d  # noqa: E402
-from lightning_5d.testing import leave_process_group  # noqa: E402
-from tests_support import make_datamodule  # noqa: E402
+from tests_support import make_datamodule, run_cases_and_leave  # noqa: E402
 from zoo.adapter import FirstOfPair  # noqa: E402
 from zoo.nanogpt import GPT, GPTConfig  # noqa: E402
 
@@ -63,16 +60,5 @@ def run(case: dict) -> dict:
     return {key: [r[key] for r in per_rank] for key in ("losses", "norms", "realigned")} | {"params": state}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    results = [run(case) for case in json.loads(args.cases)]
-    if dist.get_rank() == 0:
-        torch.save(results, args.out)
-    leave_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    run_cases_and_leave(run)

@@ -273,3 +273,22 @@ class RecordReturned(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(outputs["loss"].detach().clone().float())
+
+
+def run_cases_and_leave(run) -> None:
+    """A case script's main (``--cases JSON --out FILE``): each case through ``run`` in these
+    processes, rank 0 saves the list of results to FILE, then every rank leaves the group."""
+    import argparse
+
+    import torch.distributed as dist
+
+    from lightning_5d.testing import leave_process_group
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    results = [run(case) for case in json.loads(args.cases)]
+    if dist.get_rank() == 0:
+        torch.save(results, args.out)
+    leave_process_group()

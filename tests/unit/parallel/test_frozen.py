@@ -30,7 +30,7 @@ def test_zero_engines_watch_every_frozen_parameter(zero_stage):
     watch.check()
     m[1].weight.requires_grad_(True)
     with pytest.raises(FrozenParameterError, match=rf"1 parameter\(s\) frozen .*\(1\.weight\).*zero={zero_stage} "
-                                                   r"reduces and shards only.*use zero=3.*a new Trainer"):  # fmt: skip
+                                                   r"reduces and shards only.*use zero=3.*a later Trainer"):  # fmt: skip
         watch.check()
 
 
