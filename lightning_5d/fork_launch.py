@@ -171,6 +171,33 @@ def _read_logs(paths: Sequence[str]) -> str:
     return "".join(Path(p).read_text(errors="replace") if os.path.exists(p) else "" for p in paths)
 
 
+def _wait_for_ranks(
+    procs: Sequence[multiprocessing.process.BaseProcess], deadline: Optional[float], failure_grace_s: float
+) -> bool:
+    """Wait until every rank has exited, or one failed ``failure_grace_s`` ago, or ``deadline``
+    (time.monotonic) passed; True for the deadline.
+
+    Each round reads each rank's exit code once: the ranks still running are the ones waited
+    on. (Reading them twice, once to decide to wait and once to list whom to wait on, let a rank
+    that exited in between leave an empty list, and a wait on nothing sleeps to the deadline:
+    a finished run reported as hung at its time limit.)
+    """
+    failed_at = None
+    while True:
+        running = [p for p in procs if p.exitcode is None]
+        if not running:
+            return False
+        if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+            failed_at = time.monotonic()
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            return True
+        if failed_at is not None and now >= failed_at + failure_grace_s:
+            return False  # torchrun too stops the others once one rank has failed
+        waits = [t for t in (deadline, failed_at and failed_at + failure_grace_s) if t]
+        multiprocessing.connection.wait([p.sentinel for p in running], max(0.0, min(waits) - now) if waits else None)
+
+
 def run_forked_ranks(
     script: str | Path,
     args: Sequence[str],
@@ -201,19 +228,7 @@ def run_forked_ranks(
         try:
             for proc in procs:
                 proc.start()
-            failed_at = None
-            while any(p.exitcode is None for p in procs):
-                now = time.monotonic()
-                if deadline is not None and now >= deadline:
-                    timed_out = True
-                    break
-                if failed_at is not None and now >= failed_at + failure_grace_s:
-                    break  # torchrun too stops the others once one rank has failed
-                waits = [t for t in (deadline, failed_at and failed_at + failure_grace_s) if t]
-                wait_s = max(0.0, min(waits) - now) if waits else None
-                multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None], wait_s)
-                if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
-                    failed_at = time.monotonic()
+            timed_out = _wait_for_ranks(procs, deadline, failure_grace_s)
             if timed_out:
                 _report_stacks(procs, paths)
         except BaseException:
