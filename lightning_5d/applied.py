@@ -25,6 +25,7 @@ from lightning_5d.parallel.frozen import FrozenAtSetup
 from lightning_5d.parallel.grad_norm import clip_grad_norm_
 from lightning_5d.parallel.pipeline import PipelineLoop, PipelineMode, PipelineParallel
 from lightning_5d.parallel.tensor import TensorParallel
+from lightning_5d.parallel.tensor.plain import plain_logged_values, plain_tensors
 from lightning_5d.parallel.tensor.vocab import loss_parallel_region
 from lightning_5d.precision import FiveDPrecision
 
@@ -137,6 +138,7 @@ class AppliedDimensions:
         cp = self.cp
         if cp is not None and args:
             args = (cp.begin(args[0]), *args[1:])
+        step = self._plain_edges(module, step)
         if self.fsdp_units and self.fsdp_units[-1] is module:
             step = _through_forward(module, step)
         try:
@@ -150,6 +152,20 @@ class AppliedDimensions:
             cp.end()
         return out
 
+    def _plain_edges(self, module: nn.Module, step: Callable[..., Any]) -> Callable[..., Any]:
+        """Under tp: ``step`` whose outputs and logged values leave it as plain tensors (tensor/plain.py).
+
+        Its log is the innermost: the user's ``self.log`` meets it before cp's token weighting
+        or the pipeline's per-microbatch record, which expect plain tensors."""
+        if self.tp is None:
+            return step
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with plain_logged_values(module):
+                return plain_tensors(step(*args, **kwargs))
+
+        return run
+
     def pipeline_step(
         self, module: nn.Module, mode: PipelineMode, step: Callable[..., Any], args: tuple, kwargs: dict,
         device: torch.device,
@@ -157,6 +173,7 @@ class AppliedDimensions:
         """One Lightning batch as one pipeline run; the user's step runs per microbatch on each stage."""
         assert self.pp_loop is not None
         batch, rest = args[0], args[1:]
+        step = self._plain_edges(module, step)
         return self.pp_loop.run(
             mode,
             lambda mb: step(mb, *rest, **kwargs),

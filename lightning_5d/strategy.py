@@ -40,6 +40,7 @@ from lightning_5d.parallel.context import ContextParallel
 from lightning_5d.parallel.expert import ExpertParallel
 from lightning_5d.parallel.frozen import refuse_finetuning_callbacks
 from lightning_5d.parallel.pipeline import PipelineMode, PipelineParallel
+from lightning_5d.parallel.tensor.plain import plain_tensors
 from lightning_5d.precision import FiveDPrecision
 from lightning_5d.process_exit import leave_together_at_exit, mark_failed
 from lightning_5d.strategy_args import strategy_args
@@ -427,9 +428,7 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         self._applied.check_predict()
-        if self._applied.pp is not None:
-            return self._pipeline_step(PipelineMode.EVAL, super().predict_step, args, kwargs)
-        return super().predict_step(*args, **kwargs)
+        return self._eval_step(super().predict_step, args, kwargs)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -451,9 +450,14 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
+        tensor = plain_tensors(tensor)  # c10d has no DTensor rule: a value derived from tp's logits
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        return super().all_gather(plain_tensors(tensor), group=group, sync_grads=sync_grads)
 
     @override
     def teardown(self) -> None:

@@ -6,10 +6,11 @@ S/cp tokens, and padding (label −100) may fall unevenly on the shards. Inside 
 * ``F.cross_entropy`` with ``reduction="mean"`` becomes Σ_ranks(local sum) / Σ_ranks(count):
   the token-weighted mean over the whole sequence, bit-identical on every cp rank
   (``"sum"`` becomes the sum over the sequence);
-* a float handed to ``self.log`` / ``self.log_dict`` becomes the mean over the cp ranks
-  weighted by the tokens each rank's labels cover, again identical on every rank. That is
-  one collective per call: every cp rank must log the same names in the same order (values
-  logged with ``rank_zero_only=True`` are left alone).
+* a float handed to ``self.log`` / ``self.log_dict`` is combined over the cp ranks by the
+  call's ``reduce_fx``, as Lightning combines data ranks under ``sync_dist``: the mean
+  weighted by the tokens each rank's labels cover (the default), or the sum, max or min,
+  again identical on every rank. That is one collective per call: every cp rank must log the
+  same names in the same order (values logged with ``rank_zero_only=True`` are left alone).
 
 Gradients: the cp ranks hold disjoint parts of the same sequences, so the loss gradient is
 the *sum* of their contributions, while the data-parallel engine *averages* over dp×cp
@@ -24,9 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from lightning_5d.parallel.context.state import ContextState
+from lightning_5d.parallel.step_log import reduce_fx_name
 
 CROSS_ENTROPY_ARGS = (
     "input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing",
@@ -77,22 +78,33 @@ def global_cross_entropy(cp: ContextState, func: Any, args: tuple, kwargs: dict)
     return cp.mark_global((total.to(wide) / count.to(wide)).to(total.dtype))
 
 
-def global_metric(cp: ContextState, value: Any) -> Any:
-    """The token-weighted mean of a logged float over the cp ranks (other values unchanged)."""
-    if isinstance(value, DTensor):  # e.g. a metric of vocabulary-sharded logits under tp
-        value = value.full_tensor()
+_SHARD_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def global_metric(cp: ContextState, value: Any, reduce_fx: Any = "mean") -> Any:
+    """A logged float over the whole sequence: its shards' values combined by the log call's
+    ``reduce_fx``, as Lightning combines data ranks' values under ``sync_dist``. The mean is
+    weighted by the tokens each rank's labels cover; sum, max and min are over the cp ranks.
+    Other values are unchanged.
+
+    Under tp a value derived from the vocabulary-sharded logits arrives here as a plain tensor
+    already (tensor/plain.py: tp's log is the innermost of the step's)."""
     if isinstance(value, Tensor):
         if value.numel() != 1 or not value.is_floating_point() or cp.is_global(value):
             return value
         # The collective runs on the group's device (a CPU value would not reach NCCL).
         device = cp.current_shard.positions.device
-        weight = cp.current_shard.token_weight().to(device)
         value = value.to(device)
+        op = _SHARD_OPS.get(reduce_fx_name(reduce_fx))
+        if op is not None:
+            combined = value.detach().to(torch.float64, copy=True).reshape(())  # the user's value stays
+            dist.all_reduce(combined, op=op, group=cp.group)
+            return combined.to(value.dtype).reshape(value.shape)
+        weight = cp.current_shard.token_weight().to(device)
         both = torch.stack([value.detach().to(torch.float64).reshape(()) * weight, weight])
         dist.all_reduce(both, group=cp.group)
         return (both[0] / both[1]).to(value.dtype).reshape(value.shape)
     if isinstance(value, float):
-        return float(
-            global_metric(cp, torch.tensor(value, dtype=torch.float64, device=cp.current_shard.positions.device))
-        )
+        device = cp.current_shard.positions.device
+        return float(global_metric(cp, torch.tensor(value, dtype=torch.float64, device=device), reduce_fx))
     return value

@@ -40,6 +40,7 @@ from lightning_5d.parallel.context.hybrid import check_hybrid
 from lightning_5d.parallel.context.loss import global_cross_entropy, global_metric
 from lightning_5d.parallel.context.positions import route_positions
 from lightning_5d.parallel.context.state import ContextState
+from lightning_5d.parallel.step_log import log_options, log_through
 from lightning_5d.plan.model_plan import ModelPlan
 
 __all__ = ["ContextParallel", "ContextParallelError"]
@@ -136,24 +137,19 @@ class ContextParallel(ContextState):
 
     @contextmanager
     def step_region(self, module: nn.Module) -> Iterator[None]:
-        """Where the user's step runs: global cross-entropy and token-weighted ``self.log``."""
-        had_own_log = "log" in vars(module)
-        original = module.log
+        """Where the user's step runs: global cross-entropy, ``self.log`` values combined over the shards."""
 
-        def log(name: str, value: Any, *args: Any, **kwargs: Any) -> Any:
-            if not kwargs.get("rank_zero_only", False):  # a rank-0-only call has no peers to meet
-                value = global_metric(self, value)
-            return original(name, value, *args, **kwargs)
+        def make_log(original: Callable[..., Any]) -> Callable[..., Any]:
+            def log(name: str, value: Any, *args: Any, **kwargs: Any) -> Any:
+                options = log_options(args, kwargs)
+                if not options.get("rank_zero_only", False):  # a rank-0-only call has no peers to meet
+                    value = global_metric(self, value, options.get("reduce_fx", "mean"))
+                return original(name, value, *args, **kwargs)
 
-        module.log = log
-        try:
-            with _GlobalLoss(self):
-                yield
-        finally:
-            if had_own_log:
-                module.log = original
-            else:
-                del module.log
+            return log
+
+        with log_through(module, make_log), _GlobalLoss(self):
+            yield
         if self.attention_calls == 0:
             raise ContextParallelError(
                 f"no attention call went through ring attention during this step under cp={self.size}: the "

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_5d.config import LayoutError
+from lightning_5d.parallel.step_log import reduce_fx_name
 
 
 class PipelineError(LayoutError):
@@ -106,8 +107,8 @@ def _combine_logs(per_microbatch: list[list[tuple[str, float, dict]]]) -> list[t
             options[name] = kwargs
     combined = []
     for name, v in values.items():
-        fx = options[name].get("reduce_fx", "mean")
-        combine = _REDUCE.get(fx if isinstance(fx, str) else getattr(fx, "__name__", ""), lambda x: sum(x) / len(x))
+        fx = reduce_fx_name(options[name].get("reduce_fx", "mean"))
+        combine = _REDUCE.get(fx, lambda x: sum(x) / len(x))
         combined.append((name, float(combine(v)), options[name]))
     return combined
 

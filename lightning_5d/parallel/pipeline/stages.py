@@ -43,6 +43,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning_5d.materialize.apply import placement_device
 from lightning_5d.config import PipelineConfig, PipelineSchedule
 from lightning_5d.parallel.regions import Region
+from lightning_5d.parallel.step_log import log_through
 from lightning_5d.mesh import ParallelMesh
 from lightning_5d.pipeline_shape import (
     check_schedule,
@@ -350,15 +351,10 @@ class PipelineParallel:
                 raise PipelineError(f"self.log({name!r}, ...) under pp: pass its options as keywords")
             records.append((name, _to_float(name, value), kwargs))
 
-        previous = vars(self.module).get("log")  # cp's token-weighted log, when it is on
-        self.module.log = log  # an instance attribute shadows LightningModule.log
-        try:
+        # In front of the step region's logs (tp's plain values, cp's token weighting), which the
+        # recorded values meet when the strategy logs them after the run (batch.apply_logs).
+        with log_through(self.module, lambda _region_log: log):
             yield
-        finally:
-            if previous is None:
-                del self.module.log
-            else:
-                self.module.log = previous
 
     def run(self, mode: PipelineMode, step_fn: Callable[[Any], Any], batch: Any) -> tuple[Any, list]:
         """One pipeline run of ``batch``: returns (merged step output, logged (name, mean, options)).

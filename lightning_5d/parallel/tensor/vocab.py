@@ -174,11 +174,31 @@ def _is_vocab_sharded(x: Any) -> bool:
 _ARGS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
 
 
+_ARG_REDUCTIONS = (torch.argmax, torch.argmin, Tensor.argmax, Tensor.argmin)
+
+
+def _with_nonnegative_dim(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """torch 2.13's DTensor argmax/argmin over a sharded dim given as negative (``logits.argmax(-1)``)
+    fails when the leading dims are 1 (a batch of one: "shape [1, 32, 2, 2, 32, 1] is invalid"): its
+    gather views the result with the unnormalized dim. The same dim counted from the front works."""
+    x = args[0] if args else kwargs.get("input")
+    if not isinstance(x, DTensor):
+        return args, kwargs
+    if len(args) > 1 and isinstance(args[1], int) and args[1] < 0:
+        return (args[0], args[1] % x.ndim, *args[2:]), kwargs
+    if isinstance(kwargs.get("dim"), int) and kwargs["dim"] < 0:
+        return args, {**kwargs, "dim": kwargs["dim"] % x.ndim}
+    return args, kwargs
+
+
 class _LossParallelMode(TorchFunctionMode):
     warned = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if func in _ARG_REDUCTIONS:
+            args, kwargs = _with_nonnegative_dim(args, kwargs)
+            return func(*args, **kwargs)
         if func is F.cross_entropy:
             bound = {**dict(zip(_ARGS, args)), **kwargs}
             logits, target = bound.get("input"), bound.get("target")
@@ -215,10 +235,11 @@ def _plain_cross_entropy(bound: dict, target: Any) -> bool:
 
 @contextlib.contextmanager
 def loss_parallel_region() -> Iterator[None]:
-    """Where user code meets vocabulary-sharded logits (training/validation steps).
+    """Where user code meets vocabulary-sharded logits (training, validation, test and predict steps).
 
-    ``F.cross_entropy`` on them runs vocabulary-parallel, and plain tensors combined with
-    them (masks, scales) count as replicated instead of raising a mixed-tensor error.
+    ``F.cross_entropy`` on them runs vocabulary-parallel, plain tensors combined with them
+    (masks, scales) count as replicated instead of raising a mixed-tensor error, and
+    ``argmax(-1)`` on a batch of one works (:func:`_with_nonnegative_dim`).
     """
     with implicit_replication(), _LossParallelMode():
         yield
