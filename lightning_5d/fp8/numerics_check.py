@@ -13,6 +13,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
+from lightning_5d.parallel.step_log import shadowed
+
 
 def numerics_check_due(precision: Any, trainer: Any, automatic: bool) -> bool:
     """Under FP8 with automatic optimization, on the first micro-batch of a step the guard picks."""
@@ -24,14 +26,11 @@ def numerics_check_due(precision: Any, trainer: Any, automatic: bool) -> bool:
 def loss_without_fp8(precision: Any, module: nn.Module, run_step: Callable[[], Any], device: torch.device) -> float | None:
     """The step's loss with FP8 off, computed without gradients, logging or a change to the random streams."""
     quiet = lambda *a, **k: None  # noqa: E731  (the check must not log the user's metrics twice)
-    module.log, module.log_dict = quiet, quiet
     devices = [device] if device.type == "cuda" else []
-    try:
+    with shadowed(module, "log", lambda _own: quiet), shadowed(module, "log_dict", lambda _own: quiet):
         # The same random state as the real step: dropout masks match, and training's stream is untouched.
         with torch.random.fork_rng(devices=devices), torch.no_grad(), precision.fp8_off():
             out = run_step()
-    finally:
-        del module.log, module.log_dict
     loss = step_loss(out)
     return None if loss is None else float(loss)
 

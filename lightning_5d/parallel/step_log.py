@@ -1,5 +1,7 @@
 """``self.log`` inside a step: a dimension puts its own log in front of the module's for the step.
 
+(The same for another of the module's methods: the pipeline refuses ``self.all_gather`` there.)
+
 Context parallelism weights logged values by tokens, tensor parallelism hands DTensor values
 over as the plain tensors one process logs, and the pipeline records them per microbatch for
 the last stage to send. Each shadows ``LightningModule.log`` with an instance attribute for
@@ -10,7 +12,7 @@ or nothing), so the regions nest: the innermost region's log meets the user's ca
 from __future__ import annotations
 
 import inspect
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Callable, Iterator
 
 from lightning.pytorch import LightningModule
@@ -27,23 +29,29 @@ def log_options(args: tuple, kwargs: dict) -> dict:
 
 
 def reduce_fx_name(reduce_fx: Any) -> str:
-    """A ``self.log(..., reduce_fx=)`` as Lightning accepts it (a name, ``torch.max``, ``sum``) by name:
-    "mean", "sum", "max" or "min". Lightning combines a value over data ranks (``sync_dist``) and over
-    steps with it; the pipeline combines microbatches and context parallelism sequence shards with it."""
+    """A ``self.log(..., reduce_fx=)`` as Lightning accepts it (a name, ``torch.max``, ``sum``) by its
+    name: "mean", "sum", "max" or "min" (Lightning refuses any other when the value is logged).
+    Lightning combines a value over data ranks (``sync_dist``) and over steps with it; the
+    pipeline combines microbatches and context parallelism sequence shards with it."""
     name = reduce_fx if isinstance(reduce_fx, str) else getattr(reduce_fx, "__name__", "mean")
     name = name.lower()
     return "mean" if name == "avg" else name
 
 
 @contextmanager
-def log_through(module: nn.Module, make_log: Callable[[LogFunction], LogFunction]) -> Iterator[None]:
-    """Inside: ``module.log`` is ``make_log(the log it had)``; afterwards the log it had."""
-    own = vars(module).get("log")  # an earlier region's log; None: the class's own method
-    module.log = make_log(module.log)
+def shadowed(module: nn.Module, method: str, make: Callable[[LogFunction], LogFunction]) -> Iterator[None]:
+    """Inside: ``module.<method>`` is ``make(the method it had)``; afterwards the method it had."""
+    own = vars(module).get(method)  # an earlier region's; None: the class's own method
+    setattr(module, method, make(getattr(module, method)))
     try:
         yield
     finally:
         if own is None:
-            vars(module).pop("log", None)
+            vars(module).pop(method, None)
         else:
-            module.log = own
+            setattr(module, method, own)
+
+
+def log_through(module: nn.Module, make_log: Callable[[LogFunction], LogFunction]) -> AbstractContextManager:
+    """Inside: ``module.log`` is ``make_log(the log it had)``; afterwards the log it had."""
+    return shadowed(module, "log", make_log)

@@ -64,6 +64,9 @@ def one_process(name: str) -> dict:
         # Logged with reduce_fx "max" and torch.sum:
         validate["val_top_logit"] = max(float(b["val_top_logit"]) for b in per_batch)
         validate["val_top32_hits"] = sum(float(b["val_top32_hits"]) for b in per_batch)
+        validate["val_top32_count"] = validate["val_top32_hits"] / VAL_BATCHES  # the default mean of counts
+        validate["val_acc_rank0"] = validate["val_acc"]
+        validate["val_samples"] = float(BATCH)
         predict = [module.logits(batch["input_ids"]) for batch in val]
         dataset = datamodule.train_dataset
         first = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0))[:BATCH].tolist()
@@ -108,3 +111,30 @@ def test_metrics_and_predictions_equal_one_process_as_plain_tensors(tmp_path, np
     results = run_cases(tmp_path, cases, nproc, timeout=240)
     for name, case in cases.items():
         check_case(name, case, results[name])
+
+
+def refused_run(tmp_path, case: dict):
+    """One case on 2 ranks that should stop with a refusal: it must not reach the 120 s limit (-9)."""
+    args = ["--cases", json.dumps([case]), "--out", str(tmp_path / "r.pt")]
+    run = run_distributed(SCRIPTS / "step_edges.py", 2, args, timeout=120)
+    assert run.returncode not in (0, -9), run.output[-3000:]
+    return run
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+def test_a_rank_zero_only_log_of_a_partial_value_under_tp_is_refused(tmp_path):
+    case = {"model": "tiny", "layout": {"tp": 2}, "partial_rank0": True}
+    run = refused_run(tmp_path, case)
+    assert "TensorParallelError: self.log('val_top_logit_rank0', ..., rank_zero_only=True) under tp" in run.output
+    assert "Log it on every rank (without rank_zero_only)" in run.output
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(200)
+def test_all_gather_inside_a_pipelined_step_is_refused_on_every_rank(tmp_path):
+    # Before, the ranks never met in the gather: the run waited until its time limit.
+    case = {"model": "tiny", "layout": {"pp": 2, "pipeline": {"microbatches": 2}}, "gather": True}
+    run = refused_run(tmp_path, case)
+    assert run.output.count("PipelineError: self.all_gather inside a step under pp") >= 2, run.output[-3000:]
+    assert "on_validation_batch_end" in run.output

@@ -78,33 +78,45 @@ def global_cross_entropy(cp: ContextState, func: Any, args: tuple, kwargs: dict)
     return cp.mark_global((total.to(wide) / count.to(wide)).to(total.dtype))
 
 
-_SHARD_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_SHARD_COMBINE = {"sum": torch.sum, "max": torch.max, "min": torch.min}
 
 
-def global_metric(cp: ContextState, value: Any, reduce_fx: Any = "mean") -> Any:
-    """A logged float over the whole sequence: its shards' values combined by the log call's
-    ``reduce_fx``, as Lightning combines data ranks' values under ``sync_dist``. The mean is
-    weighted by the tokens each rank's labels cover; sum, max and min are over the cp ranks.
-    Other values are unchanged.
+def global_metric(cp: ContextState, value: Any, reduce_fx: Any = "mean", name: str = "") -> Any:
+    """A logged number over the whole sequence: its shards' values combined by the log call's
+    ``reduce_fx``, as Lightning combines data ranks' values under ``sync_dist``. A mean is
+    weighted by the tokens each rank's labels cover; a sum, max or min is over the cp ranks.
 
-    Under tp a value derived from the vocabulary-sharded logits arrives here as a plain tensor
+    Scalar tensors and Python floats are combined: an integer tensor is a count of the shard's
+    tokens, summed under the default mean too. Python ints are left as they are (a batch size:
+    the same on every shard), and so is anything else. A float count logged with the default
+    mean cannot be told from a mean and is averaged (docs/context_parallel.md). Bools stay. Under
+    tp a value derived from the vocabulary-sharded logits arrives here as a plain tensor
     already (tensor/plain.py: tp's log is the innermost of the step's)."""
-    if isinstance(value, Tensor):
-        if value.numel() != 1 or not value.is_floating_point() or cp.is_global(value):
-            return value
-        # The collective runs on the group's device (a CPU value would not reach NCCL).
-        device = cp.current_shard.positions.device
-        value = value.to(device)
-        op = _SHARD_OPS.get(reduce_fx_name(reduce_fx))
-        if op is not None:
-            combined = value.detach().to(torch.float64, copy=True).reshape(())  # the user's value stays
-            dist.all_reduce(combined, op=op, group=cp.group)
-            return combined.to(value.dtype).reshape(value.shape)
-        weight = cp.current_shard.token_weight().to(device)
-        both = torch.stack([value.detach().to(torch.float64).reshape(()) * weight, weight])
-        dist.all_reduce(both, group=cp.group)
-        return (both[0] / both[1]).to(value.dtype).reshape(value.shape)
     if isinstance(value, float):
         device = cp.current_shard.positions.device
-        return float(global_metric(cp, torch.tensor(value, dtype=torch.float64, device=device), reduce_fx))
-    return value
+        return float(global_metric(cp, torch.tensor(value, dtype=torch.float64, device=device), reduce_fx, name))
+    if not isinstance(value, Tensor) or value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+        return value
+    if cp.is_global(value):
+        return value
+    # The collective runs on the group's device (a CPU value would not reach NCCL).
+    device = cp.current_shard.positions.device
+    value = value.to(device)
+    wide = value.detach().to(torch.float64, copy=True).reshape(())  # the user's tensor stays as it is
+    fx = reduce_fx_name(reduce_fx)
+    if fx == "mean" and not value.is_floating_point():
+        fx = "sum"  # an integer is a count of the shard's tokens: the sequence's is the shards' sum
+    combine = _SHARD_COMBINE.get(fx)
+    if combine is not None:
+        shards = [torch.empty_like(wide) for _ in range(cp.size)]
+        dist.all_gather(shards, wide, group=cp.group)
+        values = torch.stack(shards)
+        if combine is torch.sum and bool((values == values[0]).all()) and values[0] != 0:
+            cp.warn_same_on_every_shard(name, float(values[0]))
+        out = combine(values)
+    else:
+        weight = cp.current_shard.token_weight().to(device)
+        both = torch.stack([wide * weight, weight])
+        dist.all_reduce(both, group=cp.group)
+        out = both[0] / both[1]
+    return out.to(value.dtype).reshape(value.shape)

@@ -143,7 +143,7 @@ class ContextParallel(ContextState):
             def log(name: str, value: Any, *args: Any, **kwargs: Any) -> Any:
                 options = log_options(args, kwargs)
                 if not options.get("rank_zero_only", False):  # a rank-0-only call has no peers to meet
-                    value = global_metric(self, value, options.get("reduce_fx", "mean"))
+                    value = global_metric(self, value, options.get("reduce_fx", "mean"), name)
                 return original(name, value, *args, **kwargs)
 
             return log

@@ -11,6 +11,7 @@ Symbols: cp ranks, S the global sequence length, S/cp tokens per rank.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Callable
 
 from torch import Tensor, nn
@@ -35,6 +36,7 @@ class ContextState:
         self.stats: dict[str, float] = {}  # ring-attention work (quarter-block units) and receive waits (s)
         self.undo: list[Callable[[], None]] = []  # removes every hook and wrapper the routes install
         self._global: list[Tensor] = []  # this step's sequence-global values (held: ids get reused)
+        self._warned_sums: set[str] = set()
 
     @property
     def current_shard(self) -> SequenceShard:
@@ -58,6 +60,18 @@ class ContextState:
         """Record a value that is already the sequence-global one (not to be averaged again)."""
         self._global.append(value)
         return value
+
+    def warn_same_on_every_shard(self, name: str, value: float) -> None:
+        """Once per name: a value logged with reduce_fx="sum" was the same on every cp rank."""
+        if name in self._warned_sums or self.rank != 0:
+            return
+        self._warned_sums.add(name)
+        warnings.warn(
+            f"self.log({name!r}, ..., reduce_fx='sum') under cp={self.size}: the value ({value:g}) is the same on "
+            f"every cp rank, and is summed over the {self.size} sequence shards as Lightning sums data ranks under "
+            f"sync_dist. That is right for a count of tokens; a count of samples or batches (the same for every shard "
+            f"of a sequence) comes out {self.size} times too large: log that as a Python int, which cp leaves as it is."
+        )
 
     def is_global(self, value: Tensor) -> bool:
         return any(value is g for g in self._global)

@@ -80,13 +80,19 @@ def _loss_of(result: Any, device: torch.device) -> Tensor:
     )
 
 
-def _to_float(name: str, value: Any) -> float:
+def _to_number(name: str, value: Any) -> float | int:
+    """A logged scalar as a number to send; an integer (a count of the microbatch's samples or
+    tokens) stays an int, so that the microbatches' counts are summed (``_combine_logs``)."""
     if isinstance(value, Tensor):
         if value.numel() != 1:
             raise PipelineError(f"self.log({name!r}) under pp needs a scalar, got shape {tuple(value.shape)}")
-        return float(value.detach().float())
-    if isinstance(value, (int, float)):
+        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            return float(value.detach().float())
+        return int(value.detach())
+    if isinstance(value, bool):
         return float(value)
+    if isinstance(value, (int, float)):
+        return value
     raise PipelineError(
         f"self.log({name!r}, {type(value).__name__}) inside a pipelined step: only numbers and scalar tensors can "
         f"be sent from the last stage to the other ranks; log metric objects from a hook such as "
@@ -97,8 +103,12 @@ def _to_float(name: str, value: Any) -> float:
 _REDUCE = {"sum": sum, "max": max, "min": min}
 
 
-def _combine_logs(per_microbatch: list[list[tuple[str, float, dict]]]) -> list[tuple[str, float, dict]]:
-    """One value per name over the microbatches, by the log call's own ``reduce_fx`` (mean by default)."""
+def _combine_logs(per_microbatch: list[list[tuple[str, float | int, dict]]]) -> list[tuple[str, float, dict]]:
+    """One value per name over the microbatches, by the log call's own ``reduce_fx`` (mean by default).
+
+    Integers are counts of their microbatch: the batch's count is their sum, under the default
+    mean too (one process logs the whole batch's count). A float count logged with the mean
+    cannot be told from a mean and is averaged (docs/pipeline_parallel.md)."""
     values: dict[str, list[float]] = {}
     options: dict[str, dict] = {}
     for records in per_microbatch:
@@ -108,6 +118,8 @@ def _combine_logs(per_microbatch: list[list[tuple[str, float, dict]]]) -> list[t
     combined = []
     for name, v in values.items():
         fx = reduce_fx_name(options[name].get("reduce_fx", "mean"))
+        if fx == "mean" and all(isinstance(x, int) for x in v):
+            fx = "sum"
         combine = _REDUCE.get(fx, lambda x: sum(x) / len(x))
         combined.append((name, float(combine(v)), options[name]))
     return combined

@@ -43,7 +43,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning_5d.materialize.apply import placement_device
 from lightning_5d.config import PipelineConfig, PipelineSchedule
 from lightning_5d.parallel.regions import Region
-from lightning_5d.parallel.step_log import log_through
+from lightning_5d.parallel.step_log import log_options, log_through, shadowed
 from lightning_5d.mesh import ParallelMesh
 from lightning_5d.pipeline_shape import (
     check_schedule,
@@ -60,7 +60,7 @@ from .batch import (
     _combine_logs,
     _loss_of,
     _shapes,
-    _to_float,
+    _to_number,
     merge_step_outputs,
     split_microbatches,
 )
@@ -327,7 +327,7 @@ class PipelineParallel:
     # ------------------------------------------------------------------ running
     def run_stage(self, spec: StageSpec, x: Tensor) -> Tensor:
         mb = self.current_microbatch[spec.index]
-        with self._placed(spec, None if spec.is_first else x), self._capture_logs(mb):
+        with self._placed(spec, None if spec.is_first else x), self._module_calls(mb):
             try:
                 result = self._step_fn(self._microbatches[mb])
             except _StageBoundary as stop:
@@ -343,18 +343,28 @@ class PipelineParallel:
         return _loss_of(result, self.device)
 
     @contextmanager
-    def _capture_logs(self, mb: int) -> Generator[None, None, None]:
+    def _module_calls(self, mb: int) -> Generator[None, None, None]:
+        """While the step runs on a stage: ``self.log`` recorded for microbatch ``mb``, ``self.all_gather`` refused."""
         records = self._logs.setdefault(mb, [])
 
         def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-            if args:
-                raise PipelineError(f"self.log({name!r}, ...) under pp: pass its options as keywords")
-            records.append((name, _to_float(name, value), kwargs))
+            records.append((name, _to_number(name, value), log_options(args, kwargs)))
+
+        def all_gather(*args: Any, **kwargs: Any) -> Any:
+            # Only the last stage reaches the step's end, and no stage reaches it in step with the
+            # others: the gather would wait forever (it did, until the run's time limit).
+            raise PipelineError(
+                "self.all_gather inside a step under pp: each stage runs the step only up to its blocks, "
+                "the last one to its end, so the ranks would never meet in the gather. Gather in a hook after "
+                "the step (on_train_batch_end / on_validation_batch_end / on_predict_batch_end get the batch's "
+                "output on every rank), or use pp=1."
+            )
 
         # In front of the step region's logs (tp's plain values, cp's token weighting), which the
         # recorded values meet when the strategy logs them after the run (batch.apply_logs).
         with log_through(self.module, lambda _region_log: log):
-            yield
+            with shadowed(self.module, "all_gather", lambda _own: all_gather):
+                yield
 
     def run(self, mode: PipelineMode, step_fn: Callable[[Any], Any], batch: Any) -> tuple[Any, list]:
         """One pipeline run of ``batch``: returns (merged step output, logged (name, mean, options)).
@@ -460,7 +470,7 @@ class PipelineParallel:
                 for path in self._first_params
             ]
             try:
-                with torch.no_grad(), self._capture_logs(-1):
+                with torch.no_grad(), self._module_calls(-1):
                     self._step_fn(self._microbatches[0])
             except _StageBoundary as stop:
                 meta = (tuple(stop.output.shape), stop.output.dtype)

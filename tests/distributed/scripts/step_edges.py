@@ -57,6 +57,7 @@ class OneProcessSteps:
     """Steps as written for one process, on top of a model's ``logits(input_ids)``."""
 
     gather = True  # self.all_gather in the step: every rank must run it (not so under pp)
+    partial_rank0 = False
 
     def metrics(self, batch):
         logits = self.logits(batch["input_ids"])
@@ -82,6 +83,12 @@ class OneProcessSteps:
         # Combined over microbatches (pp), sequence shards (cp) and batches by their reduce_fx.
         self.log("val_top_logit", logits.max(), reduce_fx="max")
         self.log("val_top32_hits", top32_hits(logits, batch["labels"]).sum(), reduce_fx=torch.sum)
+        # Integers count their part (microbatch, sequence shard): the batch's count is the parts' sum.
+        self.log("val_top32_count", top32_hits(logits, batch["labels"]).sum().long())
+        self.log("val_samples", len(batch["input_ids"]))  # a Python int: the same on every cp shard
+        self.log("val_acc_rank0", accuracy, rank_zero_only=True)  # replicated over tp: no collective
+        if self.partial_rank0:  # a max over the sharded vocabulary needs every tp rank: refused
+            self.log("val_top_logit_rank0", logits.max(), rank_zero_only=True)
         if self.gather:
             tokens = self.all_gather(logits.argmax(-1))
             self.log("val_gathered_tokens", float(tokens.numel()))
@@ -112,6 +119,7 @@ def build(name: str) -> L.LightningModule:
 def run(case: dict) -> dict:
     module = build(case["model"])
     module.gather = case.get("gather", True)
+    module.partial_rank0 = case.get("partial_rank0", False)
     seen = TypesSeen()
     trainer = L.Trainer(accelerator="cpu", strategy=lightning_5d.FiveDStrategy(**case["layout"]),
                         devices=int(os.environ["WORLD_SIZE"]), precision="32-true", max_steps=1, logger=False,
