@@ -450,10 +450,22 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
+        """Over the data ranks (``sync_dist``): a logged value differs only between them. Its tp, cp
+        and pp peers hold the same value (the step's edges make it so), and a sum over the world
+        would count it tp x cp x pp times (it did: 2x under tp2, 4x under pp2 x tp2)."""
         tensor = plain_tensors(tensor)  # c10d has no DTensor rule: a value derived from tp's logits
         if isinstance(tensor, Tensor):
+            if group is None and self._mesh is not None:
+                group = self._mesh.group("dp")
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # Every rank votes (a stop one pp stage decides must stop its peers): over the world, not
+        # the data ranks that ``reduce`` sums over.
+        votes = _sync_ddp_if_available(torch.tensor(int(decision), device=self.root_device), None, reduce_op="sum")
+        return bool(votes == self.world_size) if all else bool(votes)
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:

@@ -64,6 +64,7 @@ def one_process(name: str) -> dict:
         # Logged with reduce_fx "max" and torch.sum:
         validate["val_top_logit"] = max(float(b["val_top_logit"]) for b in per_batch)
         validate["val_top32_hits"] = sum(float(b["val_top32_hits"]) for b in per_batch)
+        validate["val_top32_hits_synced"] = validate["val_top32_hits"]
         validate["val_top32_count"] = validate["val_top32_hits"] / VAL_BATCHES  # the default mean of counts
         validate["val_acc_rank0"] = validate["val_acc"]
         validate["val_samples"] = float(BATCH)
@@ -96,6 +97,7 @@ def check_case(name: str, case: dict, result: dict) -> None:
         assert result["validate"]["val_gathered_tokens"] == world * BATCH * 32 // case["layout"].get("cp", 1), name
     for key, value in expected["train"].items():
         assert result["train"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), f"{name}: {key}"
+    assert result["votes"] == {"any": True, "all": False, "all of True": True}, name
     if case.get("predict", True):
         assert result["predict_types"] == ["Tensor"], name
         for got, logits in zip(result["predict"], expected["predict"], strict=True):
@@ -111,6 +113,24 @@ def test_metrics_and_predictions_equal_one_process_as_plain_tensors(tmp_path, np
     results = run_cases(tmp_path, cases, nproc, timeout=240)
     for name, case in cases.items():
         check_case(name, case, results[name])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_sync_dist_sums_over_the_data_ranks_only(tmp_path):
+    # tp2 x 2 data ranks: rank r reads validation samples r, r+2, r+4, r+6 (Lightning's sampler),
+    # 2 batches each. A sum with sync_dist is the 8 samples' total, counted once (not tp times).
+    case = {"model": "tiny", "layout": {"tp": 2, "zero": 1}, "predict": False}
+    result = run_cases(tmp_path, {"tp2 x dp2": case}, 4, timeout=240)["tp2 x dp2"]
+    module = build("tiny")
+    datamodule = make_datamodule()
+    datamodule.setup("fit")
+    samples = default_collate([datamodule.val_dataset[i] for i in range(4 * BATCH)])
+    with torch.no_grad():
+        logits, _, _ = module.metrics(samples)
+    assert result["validate"]["val_top32_hits_synced"] == float(top32_hits(logits, samples["labels"]).sum())
+    assert result["types"] == ["Tensor"]
+    assert result["votes"] == {"any": True, "all": False, "all of True": True}
 
 
 def refused_run(tmp_path, case: dict):

@@ -83,6 +83,8 @@ class OneProcessSteps:
         # Combined over microbatches (pp), sequence shards (cp) and batches by their reduce_fx.
         self.log("val_top_logit", logits.max(), reduce_fx="max")
         self.log("val_top32_hits", top32_hits(logits, batch["labels"]).sum(), reduce_fx=torch.sum)
+        # Summed over the data ranks (one here): tp, cp and pp peers hold the same value, not more data.
+        self.log("val_top32_hits_synced", top32_hits(logits, batch["labels"]).sum(), reduce_fx="sum", sync_dist=True)
         # Integers count their part (microbatch, sequence shard): the batch's count is the parts' sum.
         self.log("val_top32_count", top32_hits(logits, batch["labels"]).sum().long())
         self.log("val_samples", len(batch["input_ids"]))  # a Python int: the same on every cp shard
@@ -135,6 +137,11 @@ def run(case: dict) -> dict:
     trainer.fit(module, datamodule=datamodule)
     result["train"] = {k: float(v) for k, v in trainer.callback_metrics.items()}
     result["types"] = sorted(seen.types)
+    # Lightning's callbacks vote over every rank (EarlyStopping: any; ModelCheckpoint: all).
+    strategy, first = trainer.strategy, trainer.global_rank == 0
+    result["votes"] = {"any": strategy.reduce_boolean_decision(first, all=False),
+                       "all": strategy.reduce_boolean_decision(first, all=True),
+                       "all of True": strategy.reduce_boolean_decision(True, all=True)}  # fmt: skip
     return result
 
 
