@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from lightning_5d.config import LayoutError
+from lightning_5d.metric_sync import metrics_of
 from lightning_5d.parallel.context import ContextParallel, ContextParallelError
 from lightning_5d.parallel.data import ZeroSet
 from lightning_5d.parallel.data.fsdp import set_gradient_sync, unit_is_gathered
@@ -25,7 +26,7 @@ from lightning_5d.parallel.frozen import FrozenAtSetup
 from lightning_5d.parallel.grad_norm import clip_grad_norm_
 from lightning_5d.parallel.pipeline import PipelineLoop, PipelineMode, PipelineParallel
 from lightning_5d.parallel.tensor import TensorParallel
-from lightning_5d.parallel.tensor.plain import plain_logged_values, plain_tensors
+from lightning_5d.parallel.tensor.plain import plain_logged_values, plain_metric_updates, plain_tensors
 from lightning_5d.parallel.tensor.vocab import loss_parallel_region
 from lightning_5d.precision import FiveDPrecision
 
@@ -153,7 +154,7 @@ class AppliedDimensions:
         return out
 
     def _plain_edges(self, module: nn.Module, step: Callable[..., Any]) -> Callable[..., Any]:
-        """Under tp: ``step`` whose outputs and logged values leave it as plain tensors (tensor/plain.py).
+        """Under tp: ``step`` whose outputs, logged values and metric updates get plain tensors (tensor/plain.py).
 
         Its log is the innermost: the user's ``self.log`` meets it before cp's token weighting
         or the pipeline's per-microbatch record, which expect plain tensors."""
@@ -161,7 +162,7 @@ class AppliedDimensions:
             return step
 
         def run(*args: Any, **kwargs: Any) -> Any:
-            with plain_logged_values(module):
+            with plain_logged_values(module), plain_metric_updates(metrics_of(module)):
                 return plain_tensors(step(*args, **kwargs))
 
         return run

@@ -65,6 +65,8 @@ def one_process(name: str) -> dict:
         validate["val_top_logit"] = max(float(b["val_top_logit"]) for b in per_batch)
         validate["val_top32_hits"] = sum(float(b["val_top32_hits"]) for b in per_batch)
         validate["val_top32_hits_synced"] = validate["val_top32_hits"]
+        validate["val_metric_hits"] = validate["val_top32_hits"]  # torchmetrics SumMetric over the batches
+        validate["val_metric_acc"] = validate["val_acc"]  # micro accuracy: equal batches, the mean
         validate["val_top32_count"] = validate["val_top32_hits"] / VAL_BATCHES  # the default mean of counts
         validate["val_acc_rank0"] = validate["val_acc"]
         validate["val_samples"] = float(BATCH)
@@ -128,7 +130,9 @@ def test_sync_dist_sums_over_the_data_ranks_only(tmp_path):
     samples = default_collate([datamodule.val_dataset[i] for i in range(4 * BATCH)])
     with torch.no_grad():
         logits, _, _ = module.metrics(samples)
-    assert result["validate"]["val_top32_hits_synced"] == float(top32_hits(logits, samples["labels"]).sum())
+    total = float(top32_hits(logits, samples["labels"]).sum())
+    assert result["validate"]["val_top32_hits_synced"] == total
+    assert result["validate"]["val_metric_hits"] == total  # torchmetrics syncs across tp groups, not within
     assert result["types"] == ["Tensor"]
     assert result["votes"] == {"any": True, "all": False, "all of True": True}
 

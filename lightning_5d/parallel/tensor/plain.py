@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, Iterator
 
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from lightning_5d.parallel.step_log import LogFunction, log_options, log_through
+from lightning_5d.parallel.step_log import LogFunction, log_options, log_through, shadowed
 from lightning_5d.parallel.tensor.validate import TensorParallelError
 
 
@@ -65,6 +65,23 @@ def _on_this_rank_only(name: str, value: Any) -> Any:
         f"which a rank-0-only call does not reach. Log it on every rank (without rank_zero_only), or log a value "
         f"every tp rank holds whole (a mean of argmax accuracy is)."
     )
+
+
+def _plain_arguments(call: LogFunction) -> LogFunction:
+    def plain_call(*args: Any, **kwargs: Any) -> Any:
+        return call(*plain_tensors(args), **plain_tensors(kwargs))
+
+    return plain_call
+
+
+@contextmanager
+def plain_metric_updates(metrics: list[nn.Module]) -> Iterator[None]:
+    """A torchmetrics ``Metric.update`` (also through ``metric(preds, target)``) gets plain tensors:
+    its ops have no DTensor rule (``MulticlassAccuracy`` of argmax tokens: "aten._unique2.default")."""
+    with ExitStack() as stack:
+        for metric in metrics:
+            stack.enter_context(shadowed(metric, "update", _plain_arguments))
+        yield
 
 
 @contextmanager

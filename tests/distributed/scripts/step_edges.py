@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the zoo 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+import torchmetrics  # noqa: E402
 
 import lightning_5d  # noqa: E402
 import zoo  # noqa: E402
@@ -89,12 +90,22 @@ class OneProcessSteps:
         self.log("val_top32_count", top32_hits(logits, batch["labels"]).sum().long())
         self.log("val_samples", len(batch["input_ids"]))  # a Python int: the same on every cp shard
         self.log("val_acc_rank0", accuracy, rank_zero_only=True)  # replicated over tp: no collective
+        # torchmetrics objects: updated here, synced and logged at the epoch's end (under pp a metric
+        # object cannot be logged from inside the step: only its last stage updates it).
+        self.metric_hits.update(top32_hits(logits, batch["labels"]).sum())
+        self.metric_acc(logits.argmax(-1), batch["labels"])
         if self.partial_rank0:  # a max over the sharded vocabulary needs every tp rank: refused
             self.log("val_top_logit_rank0", logits.max(), rank_zero_only=True)
         if self.gather:
             tokens = self.all_gather(logits.argmax(-1))
             self.log("val_gathered_tokens", float(tokens.numel()))
         return {"loss": loss, "accuracy": accuracy}
+
+    def on_validation_epoch_end(self):
+        self.log("val_metric_hits", self.metric_hits.compute())
+        self.log("val_metric_acc", self.metric_acc.compute())
+        self.metric_hits.reset()
+        self.metric_acc.reset()
 
     def predict_step(self, batch, batch_idx):
         logits = self.logits(batch["input_ids"])
@@ -115,6 +126,8 @@ def build(name: str) -> L.LightningModule:
         module = zoo.build(name)
         bases = (OneProcessSteps, type(module))
     module.__class__ = type(f"Edges{type(module).__name__}", bases, {})
+    module.metric_hits = torchmetrics.SumMetric()
+    module.metric_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=256, average="micro")
     return module
 
 
