@@ -17,7 +17,6 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from lightning_5d.config import LayoutError
-from lightning_5d.metric_sync import metrics_of
 from lightning_5d.parallel.context import ContextParallel, ContextParallelError
 from lightning_5d.parallel.data import ZeroSet
 from lightning_5d.parallel.data.fsdp import set_gradient_sync, unit_is_gathered
@@ -66,6 +65,7 @@ class AppliedDimensions:
     _tied_copies: set[int] = field(default_factory=set)  # a tied weight's copy another pp rank counts
     frozen: FrozenAtSetup | None = None  # parameters frozen at setup that must stay so (watch_frozen)
     frozen_masters: FrozenAtSetup | None = None  # frozen bf16 ones without an fp32 master (this fit's)
+    metrics: list = field(default_factory=list)  # the module's torchmetrics objects, found at setup
 
     # ------------------------------------------------------------------ re-entry
     def already_applied(self, module: nn.Module) -> bool:
@@ -162,7 +162,7 @@ class AppliedDimensions:
             return step
 
         def run(*args: Any, **kwargs: Any) -> Any:
-            with plain_logged_values(module), plain_metric_updates(metrics_of(module)):
+            with plain_logged_values(module), plain_metric_updates(self.metrics):
                 return plain_tensors(step(*args, **kwargs))
 
         return run

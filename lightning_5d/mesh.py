@@ -173,14 +173,11 @@ class ParallelMesh:
         return group
 
     def across_tp_group(self) -> dist.ProcessGroup:
-        """This rank's group of every rank with its tp index: all data, cp and pp ranks, one of each
-        tp group (a metric's updates are the same on a tp group's ranks). Every rank creates every group."""
-        lay = self.layout
-        ranks = self.root.mesh.permute([lay.rank_order.index(d) for d in _CANONICAL])
-        tp_last = ranks.permute(*[i for i, d in enumerate(_CANONICAL) if d != "tp"], _CANONICAL.index("tp"))
-        columns = tp_last.reshape(-1, lay.tp).t()
-        group, _ = dist.new_subgroups_by_enumeration([c.tolist() for c in columns])
-        return group
+        """This rank's group of every rank with its tp index: all pp, data and cp ranks, one of each tp
+        group (a metric's updates are the same on a tp group's ranks). Made on first use, on every rank."""
+        if "across_tp" not in self._flat:
+            self._flat["across_tp"] = self._submesh(("pp", "dp_replicate", "dp_shard", "cp"))._flatten("across_tp")
+        return self.group("across_tp")
 
     @property
     def data_rank(self) -> int:

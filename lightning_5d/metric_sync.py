@@ -22,12 +22,12 @@ def metrics_of(module: nn.Module) -> list[Metric]:
     return [m for m in module.modules() if isinstance(m, Metric)]
 
 
-def sync_metrics_across_tp(module: nn.Module, mesh: ParallelMesh) -> None:
-    """Every metric of ``module`` without a process group of its own syncs over ``across_tp_group``."""
+def sync_metrics_across_tp(metrics: list[Metric], mesh: ParallelMesh) -> None:
+    """Every one of ``metrics`` without a process group of its own syncs over ``across_tp_group``."""
     if mesh.layout.tp == 1:
         return
-    metrics = [m for m in metrics_of(module) if m.process_group is None]
-    if metrics:  # the same on every rank (the same module): every rank creates the groups
+    unset = [m for m in metrics if m.process_group is None]
+    if unset:  # the same on every rank (the same module): every rank creates the group
         group = mesh.across_tp_group()
-        for metric in metrics:
+        for metric in unset:
             metric.process_group = group

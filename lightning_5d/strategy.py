@@ -36,7 +36,7 @@ from lightning_5d.dimensions import apply_dimensions, combination_for
 from lightning_5d.fp8.numerics_check import log_numerics, loss_without_fp8, numerics_check_due
 from lightning_5d.materialize import InitLog, MetaBuild
 from lightning_5d.mesh import ParallelMesh
-from lightning_5d.metric_sync import sync_metrics_across_tp
+from lightning_5d.metric_sync import metrics_of, sync_metrics_across_tp
 from lightning_5d.parallel.context import ContextParallel
 from lightning_5d.parallel.expert import ExpertParallel
 from lightning_5d.parallel.frozen import refuse_finetuning_callbacks
@@ -287,7 +287,8 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
             module, self.config, self.mesh, precision, combination, meta=self._meta, device=self.root_device
         )
         self._applied.leave_on(module, self.config, self.layout)
-        sync_metrics_across_tp(module, self.mesh)
+        self._applied.metrics = metrics_of(module)  # found once: the step's tp edges use them
+        sync_metrics_across_tp(self._applied.metrics, self.mesh)
 
     def _adopt_earlier_dimensions(self, module: torch.nn.Module) -> bool:
         """A module an earlier Trainer's FiveDStrategy already cut (a second fit with a new Trainer,
