@@ -15,6 +15,8 @@ from lightning_5d.config import (
     ZeroStage,
 )
 from lightning_5d.fp8.recipes import Fp8Backend, Fp8Recipe
+from lightning_5d.grad_norms import grad_norm
+from lightning_5d.gradient_reads import GradientReadError
 from lightning_5d.precision import FiveDPrecision, PrecisionError
 from lightning_5d.requeue import AutoRequeue
 from lightning_5d.strategy import FiveDStrategy
@@ -29,10 +31,12 @@ __all__ = [
     "FiveDStrategy",
     "Fp8Backend",
     "Fp8Recipe",
+    "GradientReadError",
     "Layout",
     "LayoutError",
     "ParallelConfig",
     "PrecisionError",
     "ZeroStage",
     "__version__",
+    "grad_norm",
 ]

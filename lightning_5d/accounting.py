@@ -13,6 +13,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from lightning_5d.gradient_reads import unwatched
+
 
 @dataclass(frozen=True)
 class ModelStateBytes:
@@ -67,6 +69,11 @@ class _StorageSet:
 
 
 def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> ModelStateBytes:
+    with unwatched():  # from a callback's gradient hook: counting what each rank holds is what it asks
+        return _model_state_bytes(module, optimizers)
+
+
+def _model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> ModelStateBytes:
     seen = _StorageSet()
     params = sum(seen.add(p) for p in module.parameters())
     grads = sum(seen.add(p.grad) for p in module.parameters() if p.grad is not None)

@@ -13,16 +13,27 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from lightning_5d.config import LayoutError
+from lightning_5d.gradient_reads import (
+    CALLBACK_HOOKS,
+    MODULE_HOOKS,
+    GradientHere,
+    GradientMap,
+    ManualWindow,
+    unwatched,
+    watch_hooks,
+)
 from lightning_5d.parallel.context import ContextParallel, ContextParallelError
 from lightning_5d.parallel.data import ZeroSet
 from lightning_5d.parallel.data.fsdp import set_gradient_sync, unit_is_gathered
 from lightning_5d.parallel.expert import ExpertParallel, ExpertParallelError
 from lightning_5d.parallel.frozen import FrozenAtSetup
-from lightning_5d.parallel.grad_norm import clip_grad_norm_
+from lightning_5d.parallel.grad_norm import clip_grad_norm_, per_parameter_norms
 from lightning_5d.parallel.pipeline import PipelineLoop, PipelineMode, PipelineParallel
 from lightning_5d.parallel.tensor import TensorParallel
 from lightning_5d.parallel.tensor.plain import plain_logged_values, plain_metric_updates, plain_tensors
@@ -66,6 +77,10 @@ class AppliedDimensions:
     frozen: FrozenAtSetup | None = None  # parameters frozen at setup that must stay so (watch_frozen)
     frozen_masters: FrozenAtSetup | None = None  # frozen bf16 ones without an fp32 master (this fit's)
     metrics: list = field(default_factory=list)  # the module's torchmetrics objects, found at setup
+    _unwatch_hooks: Callable[[], None] | None = None  # puts the user's gradient hooks back (watch_gradient_reads)
+    _gradient_map: GradientMap | None = None  # this fit's, for the manual-optimization window
+    manual_window: ManualWindow = field(default_factory=ManualWindow)
+    _all_names: list[str] | None = None  # every rank's parameter names, one order (grad_norms)
 
     # ------------------------------------------------------------------ re-entry
     def already_applied(self, module: nn.Module) -> bool:
@@ -115,6 +130,7 @@ class AppliedDimensions:
             )
 
     def deactivate(self) -> None:
+        self.unwatch_gradient_reads()
         if self.zero is not None:
             self.zero.active = False  # hooks stay for a later fit/validate with this Trainer
 
@@ -284,6 +300,110 @@ class AppliedDimensions:
                 f"Please report it with the layout."
             )
 
+    # ------------------------------------------------------------------ gradient hooks
+    def gradient_map(self, module: nn.Module, precision: FiveDPrecision | None, zero_stage: int) -> GradientMap:
+        """What each parameter's ``.grad`` holds on this rank when the user's gradient hooks run."""
+        slices = self.zero.masters_by_name() if self.zero is not None else {}
+        masters = precision.masters_by_name(module) if precision is not None else {}
+        shapes = {name: p.shape for name, p in module.named_parameters()}
+        where = {}
+        for name in shapes:
+            if self.ep is not None and self.ep.ep > 1 and self.ep.is_expert(name):
+                where[name] = GradientHere.EXPERT_SHARD
+            elif self.tp is not None and self.tp.is_sharded(name):
+                where[name] = GradientHere.TP_SHARD
+            elif name in slices and not slices[name][1]:
+                where[name] = GradientHere.DATA_SLICE
+            else:
+                where[name] = GradientHere.WHOLE
+        sizes = {
+            "tp": self.tp.size if self.tp is not None else 1,
+            "ep": self.ep.ep if self.ep is not None else 1,
+            "zero": zero_stage,
+            "slices": self.zero.slice_count if self.zero is not None else 1,
+        }
+
+        def grad_elsewhere(name: str):
+            if name in slices:  # ZeRO-1/2: the averaged gradient is the master's (flat)
+                master, whole = slices[name]
+                if master is None or master.grad is None:
+                    return None
+                return (master.grad.to_local().view(shapes[name]), True) if whole else (master.grad, False)
+            master = masters.get(name)
+            return (master.grad, True) if master is not None and master.grad is not None else None
+
+        sp_late = self.tp is not None and bool(self.fsdp_units) and self.tp.has_partial_grads and self.pp is None
+        return GradientMap(
+            where=where,
+            sizes=sizes,
+            grad_elsewhere=grad_elsewhere,
+            stage=self.pp.rank if self.pp is not None else 0,
+            stages=self.pp.pp if self.pp is not None else 1,
+            tp_partial_until_synced=frozenset(self.tp.sequence_partial) if sp_late else frozenset(),
+            dtensor_grads=bool(self.fsdp_units),
+            moved_out=bool(masters) or any(whole for _, whole in slices.values()),
+        )
+
+    def grad_norms(self, module: nn.Module, precision: FiveDPrecision | None, norm_type: float) -> dict:
+        """Each parameter's whole-gradient norm by one-process name, on every rank (collective): what
+        one process's ``grad_norm`` computes, from the pieces this rank holds."""
+        with unwatched():  # called from a watched hook: these reads know where the pieces are
+            return self._grad_norms(module, precision, norm_type)
+
+    def _grad_norms(self, module: nn.Module, precision: FiveDPrecision | None, norm_type: float) -> dict:
+        slices = self.zero.masters_by_name() if self.zero is not None else {}
+        masters = precision.masters_by_name(module) if precision is not None else {}
+        held = [n for n, _ in module.named_parameters() if self.pp is None or not self.pp.tied.counts_elsewhere(n)]
+        if self._all_names is None:  # other stages' and other ep ranks' names too, once per fit
+            everyone: list = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, held)
+            self._all_names = list(dict.fromkeys(n for names in everyone for n in names))
+        params = dict(module.named_parameters())
+        pieces = {}
+        for name in held:
+            if name in slices:  # ZeRO-1/2: the averaged gradient is the optimizer's slice
+                grad = slices[name][0].grad if slices[name][0] is not None else None
+            elif name in masters and masters[name].grad is not None:
+                grad = masters[name].grad  # moved into the fp32 master before on_before_optimizer_step
+            else:
+                grad = params[name].grad
+            if grad is not None:
+                pieces[name] = grad
+        experts = self.ep is not None and self.ep.ep > 1
+        return per_parameter_norms(
+            pieces,
+            self._all_names,
+            norm_type,
+            tp_group=self.tp.group if self.tp is not None else None,
+            tp_sharded=self.tp.is_sharded if self.tp is not None else (lambda name: False),
+            expert_group=self.ep.group if experts else None,
+            is_expert=self.ep.is_expert if experts else (lambda name: False),
+            stage_group=self.pp.group if self.pp is not None else None,
+        )
+
+    def watch_gradient_reads(self, module: nn.Module, callbacks: list, grads: GradientMap) -> None:
+        """The user's gradient hooks (the module's and its callbacks') run watched for reads that
+        would differ from one process's (``gradient_reads``), when any can differ under this layout."""
+        self.unwatch_gradient_reads()
+        self._gradient_map = grads
+        if not grads.needed:
+            return
+        owners = [(module, MODULE_HOOKS, type(module).__name__)]
+        owners += [(cb, CALLBACK_HOOKS, type(cb).__name__) for cb in callbacks if _overrides_gradient_hook(cb)]
+        self._unwatch_hooks = watch_hooks(grads, module, owners)
+
+    def open_manual_window(self, module: nn.Module) -> None:
+        """After a ``manual_backward``: the rest of the user's step is watched like a gradient hook."""
+        if self._gradient_map is not None:
+            hook = f"{type(module).__name__}.training_step after manual_backward"
+            self.manual_window.open(self._gradient_map, module, hook)
+
+    def unwatch_gradient_reads(self) -> None:
+        self.manual_window.close()
+        if self._unwatch_hooks is not None:
+            self._unwatch_hooks()
+            self._unwatch_hooks = None
+
     # ------------------------------------------------------------------ clip
     @property
     def clips_globally(self) -> bool:
@@ -303,6 +423,10 @@ class AppliedDimensions:
         self._tied_copies = {i for i, n in names.items() if self.pp is not None and self.pp.tied.counts_elsewhere(n)}
 
     def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
+        with unwatched():  # inside configure_gradient_clipping: these reads know where the pieces are
+            self._clip_grad_by_norm(optimizer, clip_val)
+
+    def _clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         sharded, experts, copies = self._tp_sharded, self._experts, self._tied_copies
         clip_grad_norm_(
@@ -344,3 +468,8 @@ def _through_forward(module: nn.Module, step: Callable[..., Any]) -> Callable[..
             restore()
 
     return run
+
+
+def _overrides_gradient_hook(callback: Any) -> bool:
+    """Whether a callback implements a gradient hook (Lightning's own callbacks implement none)."""
+    return any(getattr(type(callback), h, None) is not getattr(Callback, h) for h in CALLBACK_HOOKS)

@@ -362,6 +362,16 @@ class FiveDPrecision(Precision):
                     out[id(m)] = names[id(p)]
         return out
 
+    def masters_by_name(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """Parameter name -> its fp32 master (the optimizer's parameter, holding the gradient once moved)."""
+        names = self.master_names(module)
+        found = {}
+        for masters in self._masters.values():
+            for _, m in masters._pairs:
+                if id(m) in names:
+                    found[names[id(m)]] = m
+        return found
+
     def after_backward(self, automatic_optimization: bool = True, accumulating: bool = False) -> None:
         """With fp32 accumulation, each micro-batch's gradients move into the fp32 masters now (they
         were reduced already); under manual optimization too, once reduced (not inside a no-sync

@@ -274,6 +274,9 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
             self.precision_plugin.clip_grad_by_norm = self._applied.clip_grad_by_norm
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
+            module = self.lightning_module
+            grads = self._applied.gradient_map(module, precision, int(self.zero_stage))
+            self._applied.watch_gradient_reads(module, trainer.callbacks, grads)
 
     def _parallelize(self, module: torch.nn.Module) -> None:
         """The dimensions in their fixed order (``lightning_5d.dimensions.STEPS``), once per module."""
@@ -351,6 +354,13 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        self._applied.manual_window.close()  # the backward's own gradient reads are the strategy's
+        out = self._backward(closure_loss, optimizer, *args, **kwargs)
+        if not self.lightning_module.automatic_optimization:
+            self._applied.open_manual_window(self.lightning_module)  # the user's step clips by hand here
+        return out
+
+    def _backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         if self._applied.pp is not None:
             return self._pipeline_backward(closure_loss)
         try:
@@ -387,17 +397,21 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._applied.align_random_stream(self.lightning_module.trainer.global_step)
         with self._applied.expert_step(self.lightning_module):
-            return self._training_step(args, kwargs)
+            try:
+                return self._training_step(args, kwargs)
+            finally:
+                self._applied.manual_window.close()
 
     @override
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
+        self._applied.manual_window.close()
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._applied.ep is not None:
             self._applied.ep.after_optimizer_step()  # aux-loss-free bias moves once per optimizer step
         return out
 
     def _training_step(self, args: tuple, kwargs: dict) -> Any:
-        step = super().training_step
+        step = self._closing_manual_window(super().training_step)
         if self._applied.pp is not None:
             return self._pipeline_step(PipelineMode.TRAIN, step, args, kwargs)
         # Automatic optimization runs backward after the step returns: the shard stays current
@@ -414,6 +428,18 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
         if reference is not None:
             log_numerics(precision, module, out, reference, warn=self.is_global_zero)
         return out
+
+    def _closing_manual_window(self, step: Callable[..., Any]) -> Callable[..., Any]:
+        """The user's step, whose manual-optimization window closes as it returns: inside the step
+        regions, whose own modes leave after it (a mode must leave the stack from its top)."""
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return step(*args, **kwargs)
+            finally:
+                self._applied.manual_window.close()
+
+        return run
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -450,6 +476,13 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
         box = [obj]
         dist.broadcast_object_list(box, src, group=_group.WORLD)
         return box[0]
+
+    def parameter_grad_norms(self, norm_type: float = 2.0) -> dict[str, Tensor]:
+        """Each parameter's gradient norm, as one process computes it, by name, on every rank
+        (a collective: call it on every rank). ``lightning_5d.grad_norm`` formats it as Lightning's
+        ``grad_norm``; it reads the gradients wherever the layout keeps them (tp shards, ZeRO
+        slices, fp32 masters, other pipeline stages)."""
+        return self._applied.grad_norms(self.lightning_module, self._five_d_precision, float(norm_type))
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:

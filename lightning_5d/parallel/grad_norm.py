@@ -99,3 +99,79 @@ def clip_grad_norm_(
         g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
         g.mul_(coef.to(g.device, g.dtype))
     return total
+
+
+def _shard_groups(t: DTensor) -> tuple[dist.ProcessGroup, ...]:
+    """The groups over which a DTensor's pieces are disjoint (its mesh dims with a Shard placement)."""
+    return tuple(t.device_mesh.get_group(d) for d, p in enumerate(t.placements) if p.is_shard())
+
+
+def per_parameter_norms(
+    pieces: dict[str, Tensor],
+    names: list[str],
+    norm_type: float,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    tp_sharded: Callable[[str], bool] = lambda name: False,
+    expert_group: dist.ProcessGroup | None = None,
+    is_expert: Callable[[str], bool] = lambda name: False,
+    stage_group: dist.ProcessGroup | None = None,
+) -> dict[str, Tensor]:
+    """Each parameter's whole-gradient norm (float64) from this rank's pieces of the gradients;
+    the same on every rank.
+
+    ``pieces``: name -> this rank's piece of that gradient (a plain tensor; a DTensor whose pieces
+    are disjoint over its Shard mesh dims); ``names``: every rank's names, in one order on every
+    rank (other pp stages' and other ep ranks' parameters included). A piece is disjoint from its
+    peers' over the DTensor's shard groups, the tp group for ``tp_sharded`` names, the ep group
+    for ``is_expert`` ones (each ep rank holds other experts, or other rows of them) and the stage
+    group (names another stage holds are zero here). One vector
+    of p-th powers (maxima for the inf-norm) is summed over each group in a fixed order, so
+    every rank issues the same collectives whatever it holds: O(#parameters) numbers per group.
+    """
+    index = {n: i for i, n in enumerate(names)}
+    infinite = math.isinf(norm_type)
+    op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
+    device = next((p.device for p in pieces.values()), torch.device("cpu"))
+    powered = torch.zeros(len(names), dtype=torch.float64, device=device)
+    present = torch.zeros(len(names), dtype=torch.float64, device=device)
+    by_groups: dict[tuple, list[int]] = {}
+    for name, piece in pieces.items():
+        i = index[name]
+        local = piece._local_tensor if isinstance(piece, DTensor) else piece
+        # A rank may hold an empty piece (ZeRO's padding chunk): it adds nothing.
+        n = torch.linalg.vector_norm(local.detach().double(), norm_type) if local.numel() else powered.new_zeros(())
+        powered[i] = n if infinite else n**norm_type
+        present[i] = 1.0
+        if isinstance(piece, DTensor):
+            by_groups.setdefault(_shard_groups(piece), []).append(i)
+
+    def over(group: dist.ProcessGroup | None, rows: list[int]) -> None:
+        if group is None or dist.get_world_size(group) == 1:
+            return
+        part = torch.zeros_like(powered)
+        part[rows] = powered[rows]
+        dist.all_reduce(part, op=op, group=group)
+        powered[rows] = part[rows]
+
+    # Every rank of a DTensor's shard group holds the same names (same stage, tp and ep rank): the
+    # groups' order is the same on all of them.
+    for groups in sorted(by_groups, key=lambda gs: tuple(dist.get_process_group_ranks(g) for g in gs)):
+        for g in groups:
+            over(g, by_groups[groups])
+    # Rows of every rank's names: an ep peer's experts are rows this rank holds as zeros.
+    over(tp_group, [i for i, n in enumerate(names) if tp_sharded(n)])
+    over(expert_group, [i for i, n in enumerate(names) if is_expert(n)])
+    if stage_group is not None:
+        dist.all_reduce(powered, op=op, group=stage_group)
+        dist.all_reduce(present, op=dist.ReduceOp.MAX, group=stage_group)
+    if expert_group is not None:  # names held by other ep ranks only (a dropped expert module)
+        dist.all_reduce(present, op=dist.ReduceOp.MAX, group=expert_group)
+    norms = powered if infinite else powered ** (1.0 / norm_type)
+    return {n: norms[index[n]] for n in names if present[index[n]] > 0}
+
+
+def norm_of_norms(norms: Iterable[Tensor], norm_type: float) -> Tensor:
+    """The norm of all the gradients together, from each one's norm (the norm of their norms)."""
+    stacked = torch.stack(list(norms))
+    return stacked.max() if math.isinf(norm_type) else torch.linalg.vector_norm(stacked, norm_type)

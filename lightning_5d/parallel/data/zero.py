@@ -453,6 +453,19 @@ class ZeroDataParallel:
         local = value.reshape(-1)[s.start : s.start + s.length].clone()
         return self._as_dtensor(local, s)
 
+    @property
+    def shard_size(self) -> int:
+        return self._shard_size
+
+    def masters_by_name(self) -> dict[str, torch.Tensor | None]:
+        """Name -> master slice (None before the optimizer is sharded) of each parameter at stage 1/2,
+        where the averaged gradient is the master's: stage 1 reduces only this rank's chunk of the
+        module's ``.grad``, stage 2 (and fp32 accumulation) frees it. With one shard rank
+        (``shard_size`` 1) the slice is the whole parameter, flat."""
+        if self.stage == ZeroStage.NONE:
+            return {}
+        return {self._names[id(s.param)]: s.master for s in self._shards}
+
     def master_names(self) -> dict[int, str]:
         """id of each master slice -> the name of the module parameter it slices."""
         return {id(s.master): self._names[id(s.param)] for s in self._shards if s.master is not None}

@@ -49,6 +49,18 @@ class ZeroSet:
         for e in self.engines:
             e.refresh_masters()
 
+    @property
+    def slice_count(self) -> int:
+        """Into how many slices the dense engine cuts each parameter (its shard group's size)."""
+        return self.engines[0].shard_size
+
+    def masters_by_name(self) -> dict[str, tuple[torch.Tensor | None, bool]]:
+        """Name -> (master slice or None, whether that slice is the whole parameter), every engine's."""
+        out: dict[str, tuple[torch.Tensor | None, bool]] = {}
+        for e in self.engines:
+            out.update({n: (m, e.shard_size == 1) for n, m in e.masters_by_name().items()})
+        return out
+
     def master_names(self) -> dict[int, str]:
         names: dict[int, str] = {}
         for e in self.engines:
