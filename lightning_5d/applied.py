@@ -19,11 +19,11 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from lightning_5d.config import LayoutError
+from lightning_5d.gradient_places import GradientPlaces
 from lightning_5d.gradient_reads import (
     CALLBACK_HOOKS,
     MODULE_HOOKS,
-    GradientHere,
-    GradientMap,
+    GradientWatch,
     ManualWindow,
     unwatched,
     watch_hooks,
@@ -78,7 +78,8 @@ class AppliedDimensions:
     frozen_masters: FrozenAtSetup | None = None  # frozen bf16 ones without an fp32 master (this fit's)
     metrics: list = field(default_factory=list)  # the module's torchmetrics objects, found at setup
     _unwatch_hooks: Callable[[], None] | None = None  # puts the user's gradient hooks back (watch_gradient_reads)
-    _gradient_map: GradientMap | None = None  # this fit's, for the manual-optimization window
+    gradient_places: GradientPlaces | None = None  # this fit's (watch_gradient_reads)
+    _watch: GradientWatch | None = None  # this fit's watch on the user's gradient hooks
     manual_window: ManualWindow = field(default_factory=ManualWindow)
     _all_names: list[str] | None = None  # every rank's parameter names, one order (grad_norms)
 
@@ -264,6 +265,8 @@ class AppliedDimensions:
             self.check_frozen()
         if self.zero is not None:
             self.zero.start_backward()
+        if self.gradient_places is not None:
+            self.gradient_places.tp_sums_pending = True  # SP's partial sums until sync_sequence_parallel
 
     def finish_gradient_sync(self) -> None:
         if self.zero is not None:
@@ -274,6 +277,8 @@ class AppliedDimensions:
         # need their sum over tp.
         if self.tp is not None and self.fsdp_units and self.tp.has_partial_grads and not accumulating:
             self.tp.sync_sequence_parallel_grads(module)
+            if self.gradient_places is not None:
+                self.gradient_places.tp_sums_pending = False
 
     def pipeline_backward(self, module: nn.Module, accumulating: bool) -> None:
         """The schedule already ran the backward: restore its gradients and reduce them all now."""
@@ -301,108 +306,52 @@ class AppliedDimensions:
             )
 
     # ------------------------------------------------------------------ gradient hooks
-    def gradient_map(self, module: nn.Module, precision: FiveDPrecision | None, zero_stage: int) -> GradientMap:
-        """What each parameter's ``.grad`` holds on this rank when the user's gradient hooks run."""
-        slices = self.zero.masters_by_name() if self.zero is not None else {}
-        masters = precision.masters_by_name(module) if precision is not None else {}
-        shapes = {name: p.shape for name, p in module.named_parameters()}
-        where = {}
-        for name in shapes:
-            if self.ep is not None and self.ep.ep > 1 and self.ep.is_expert(name):
-                where[name] = GradientHere.EXPERT_SHARD
-            elif self.tp is not None and self.tp.is_sharded(name):
-                where[name] = GradientHere.TP_SHARD
-            elif name in slices and not slices[name][1]:
-                where[name] = GradientHere.DATA_SLICE
-            else:
-                where[name] = GradientHere.WHOLE
-        sizes = {
-            "tp": self.tp.size if self.tp is not None else 1,
-            "ep": self.ep.ep if self.ep is not None else 1,
-            "zero": zero_stage,
-            "slices": self.zero.slice_count if self.zero is not None else 1,
-        }
-
-        def grad_elsewhere(name: str):
-            if name in slices:  # ZeRO-1/2: the averaged gradient is the master's (flat)
-                master, whole = slices[name]
-                if master is None or master.grad is None:
-                    return None
-                return (master.grad.to_local().view(shapes[name]), True) if whole else (master.grad, False)
-            master = masters.get(name)
-            return (master.grad, True) if master is not None and master.grad is not None else None
-
-        sp_late = self.tp is not None and bool(self.fsdp_units) and self.tp.has_partial_grads and self.pp is None
-        return GradientMap(
-            where=where,
-            sizes=sizes,
-            grad_elsewhere=grad_elsewhere,
-            stage=self.pp.rank if self.pp is not None else 0,
-            stages=self.pp.pp if self.pp is not None else 1,
-            tp_partial_until_synced=frozenset(self.tp.sequence_partial) if sp_late else frozenset(),
-            dtensor_grads=bool(self.fsdp_units),
-            moved_out=bool(masters) or any(whole for _, whole in slices.values()),
-        )
-
-    def grad_norms(self, module: nn.Module, precision: FiveDPrecision | None, norm_type: float) -> dict:
-        """Each parameter's whole-gradient norm by one-process name, on every rank (collective): what
-        one process's ``grad_norm`` computes, from the pieces this rank holds."""
-        with unwatched():  # called from a watched hook: these reads know where the pieces are
-            return self._grad_norms(module, precision, norm_type)
-
-    def _grad_norms(self, module: nn.Module, precision: FiveDPrecision | None, norm_type: float) -> dict:
-        slices = self.zero.masters_by_name() if self.zero is not None else {}
-        masters = precision.masters_by_name(module) if precision is not None else {}
-        held = [n for n, _ in module.named_parameters() if self.pp is None or not self.pp.tied.counts_elsewhere(n)]
-        if self._all_names is None:  # other stages' and other ep ranks' names too, once per fit
-            everyone: list = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, held)
-            self._all_names = list(dict.fromkeys(n for names in everyone for n in names))
-        params = dict(module.named_parameters())
-        pieces = {}
-        for name in held:
-            if name in slices:  # ZeRO-1/2: the averaged gradient is the optimizer's slice
-                grad = slices[name][0].grad if slices[name][0] is not None else None
-            elif name in masters and masters[name].grad is not None:
-                grad = masters[name].grad  # moved into the fp32 master before on_before_optimizer_step
-            else:
-                grad = params[name].grad
-            if grad is not None:
-                pieces[name] = grad
-        experts = self.ep is not None and self.ep.ep > 1
-        return per_parameter_norms(
-            pieces,
-            self._all_names,
-            norm_type,
-            tp_group=self.tp.group if self.tp is not None else None,
-            tp_sharded=self.tp.is_sharded if self.tp is not None else (lambda name: False),
-            expert_group=self.ep.group if experts else None,
-            is_expert=self.ep.is_expert if experts else (lambda name: False),
-            stage_group=self.pp.group if self.pp is not None else None,
-        )
-
-    def watch_gradient_reads(self, module: nn.Module, callbacks: list, grads: GradientMap) -> None:
+    def watch_gradient_reads(self, module: nn.Module, callbacks: list, places: GradientPlaces) -> None:
         """The user's gradient hooks (the module's and its callbacks') run watched for reads that
         would differ from one process's (``gradient_reads``), when any can differ under this layout."""
         self.unwatch_gradient_reads()
-        self._gradient_map = grads
-        if not grads.needed:
+        self.gradient_places = places
+        self._watch = GradientWatch(places.gradient_map())
+        if not self._watch.map.needed:
             return
         owners = [(module, MODULE_HOOKS, type(module).__name__)]
         owners += [(cb, CALLBACK_HOOKS, type(cb).__name__) for cb in callbacks if _overrides_gradient_hook(cb)]
-        self._unwatch_hooks = watch_hooks(grads, module, owners)
+        self._unwatch_hooks = watch_hooks(self._watch, module, owners)
 
     def open_manual_window(self, module: nn.Module) -> None:
         """After a ``manual_backward``: the rest of the user's step is watched like a gradient hook."""
-        if self._gradient_map is not None:
-            hook = f"{type(module).__name__}.training_step after manual_backward"
-            self.manual_window.open(self._gradient_map, module, hook)
+        if self._watch is not None:
+            self.manual_window.open(self._watch, module, f"{type(module).__name__}.training_step after manual_backward")
 
     def unwatch_gradient_reads(self) -> None:
         self.manual_window.close()
         if self._unwatch_hooks is not None:
             self._unwatch_hooks()
             self._unwatch_hooks = None
+
+    def grad_norms(self, module: nn.Module, norm_type: float, device: torch.device) -> dict:
+        """Each parameter's whole-gradient norm by one-process name, on every rank (collective): what
+        one process's ``grad_norm`` computes, from the pieces this rank holds."""
+        if self.gradient_places is None:
+            raise RuntimeError("lightning_5d.grad_norm needs a fit's gradients: call it from a training hook.")
+        with unwatched():  # called from a watched hook: these reads know where the pieces are
+            held = [n for n, _ in module.named_parameters() if self.pp is None or not self.pp.tied.counts_elsewhere(n)]
+            if self._all_names is None:  # other stages' and other ep ranks' names too, once per fit
+                everyone: list = [None] * dist.get_world_size()
+                dist.all_gather_object(everyone, held)
+                self._all_names = list(dict.fromkeys(n for names in everyone for n in names))
+            experts = self.ep is not None and self.ep.ep > 1
+            return per_parameter_norms(
+                self.gradient_places.pieces(module, held),
+                self._all_names,
+                norm_type,
+                device=device,
+                tp_group=self.tp.group if self.tp is not None else None,
+                tp_sharded=self.tp.is_sharded if self.tp is not None else (lambda name: False),
+                expert_group=self.ep.group if experts else None,
+                is_expert=self.ep.is_expert if experts else (lambda name: False),
+                stage_group=self.pp.group if self.pp is not None else None,
+            )
 
     # ------------------------------------------------------------------ clip
     @property

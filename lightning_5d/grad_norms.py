@@ -19,6 +19,7 @@ from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
 from torch import Tensor, nn
 
 from lightning_5d.parallel.grad_norm import norm_of_norms
+from lightning_5d.strategy import FiveDStrategy
 
 
 def grad_norm(
@@ -37,8 +38,6 @@ def grad_norm(
     (``"model.layers.3"``: under pp a stage holds only its own blocks, but every rank must call
     this, and a name works on all of them). Without FiveDStrategy this is Lightning's ``grad_norm``.
     """
-    from lightning_5d.strategy import FiveDStrategy  # the strategy imports this package's modules
-
     strategy = pl_module.trainer.strategy
     if not isinstance(strategy, FiveDStrategy):
         within = pl_module.get_submodule(module) if isinstance(module, str) else module

@@ -1,36 +1,41 @@
 """What a user's hooks read of the gradients, checked against what one process would read.
 
 In one process, ``p.grad`` of every parameter is its whole gradient when ``on_after_backward``,
-``on_before_optimizer_step`` and ``configure_gradient_clipping`` run, and users compute with
-it there: ``torch.nn.utils.clip_grad_norm_(self.parameters(), 1.0)``, Lightning's
-``grad_norm(self, 2)`` logged for monitoring, a finiteness check. Under the layouts a rank's
-``.grad`` is often something else (:class:`GradientHere`): a tp shard, a ZeRO-1 buffer of which
-only this rank's chunk is reduced over the data ranks, ``None`` (ZeRO-2 keeps only the
-optimizer's slice), or a partial sum that tp adds up later; under pp the other stages'
-parameters are not on this rank at all. Element-wise work (clipping by value, scaling by a
-factor every rank agrees on) is right on any piece. What goes wrong is a value that combines
-elements: each rank computes a different norm, clips by it, and the ranks' replicated
-parameters drift apart, without a word (measured on the reference model after 3 steps,
-clipping to 0.05: 2.6e-2 relative error under tp2, 6.7e-3 under pp2, 5.7e-3 under cp2).
+``on_before_optimizer_step``, ``configure_gradient_clipping`` and ``on_before_zero_grad`` run,
+and users compute with it there: ``torch.nn.utils.clip_grad_norm_(self.parameters(), 1.0)``,
+Lightning's ``grad_norm(self, 2)`` logged for monitoring, a finiteness check. Under the layouts a
+rank's ``.grad`` is often something else (``gradient_places``): a tp or expert shard, a ZeRO-1
+buffer of which only this rank's chunk is the averaged gradient, ``None`` or this rank's own
+unreduced gradient (the averaged one lives in the optimizer's slices), or a partial sum that tp
+adds up later; under pp the other stages' parameters are not on this rank at all. Element-wise
+work (clipping by value, scaling by a factor every rank agrees on) is right on a piece. What
+goes wrong is a value that combines elements: each rank computes a different norm, clips by it,
+and the ranks' replicated parameters drift apart, without a word (the reference model after 2
+steps, clipping to 0.05: 1.5e-3 relative parameter error under tp2, 3.6e-4 under pp2, 7.0e-4
+under cp2; benchmarks/RESULTS.md "training_patterns").
 
 :class:`GradientReads` watches the user's gradient hooks (a ``TorchFunctionMode`` active only
-while they run): a ``.grad`` read of a parameter whose gradient here is not the whole one
-labels the tensor it returns, every tensor computed from a labelled one carries the label, and
+while they run; under manual optimization also the step from ``manual_backward`` to
+``opt.step()``: :class:`ManualWindow`). A ``.grad`` read of a parameter whose gradient here is a
+piece labels the tensor it returns; every tensor computed from a labelled one, or written into
+(``flat[i:j] = g``, ``buf.copy_(g)``, and the buffer a view belongs to), carries the label, for
+the rest of the fit's hooks (:class:`GradientWatch`). Then
 
 * a reduction of a labelled tensor (an output with fewer elements than the labelled input, or a
-  Python number) is refused, naming the parameter, what its ``.grad`` holds on this rank and
-  what gives the one-process value (``Trainer(gradient_clip_val=)``, ``self.clip_gradients``,
-  :func:`lightning_5d.grad_norm`);
-* a ``.grad`` read that finds ``None`` where the gradient lives in the optimizer's slice is
-  refused (one process would have found it: a loop over ``if p.grad is not None`` silently
-  skips it);
+  Python number, array or verdict) is refused, naming the parameter, what its ``.grad`` holds on
+  this rank and what gives the one-process value (``Trainer(gradient_clip_val=)``,
+  ``self.clip_gradients``, :func:`lightning_5d.grad_norm`);
+* a ``.grad`` read that finds nothing one process would find (``None``, or this rank's own
+  unreduced gradient, where the averaged one lives only in the optimizer's slices) is refused at
+  the read: a loop over ``if p.grad is not None`` would skip it, a value written would be lost;
 * under pp, a value combining the gradients of two or more parameters is refused: the other
-  stages' parameters are missing from it.
+  stages' parameters are missing from it;
+* under ZeRO-3, ``torch.tensor()`` of DTensor values (Lightning's ``grad_norm`` total) is refused
+  with the fix instead of torch's "data is not allocated yet".
 
-A gradient that is ``None`` here because the optimizer's parameter holds it whole (the precision
-plugin's fp32 master, moved there before ``on_before_optimizer_step``; ZeRO-2's slice when one
-rank holds every slice) is read from there instead: the same numbers, and what the user writes
-into it reaches the optimizer.
+A gradient the optimizer's parameter holds whole (the precision plugin's fp32 master, moved there
+before ``on_before_optimizer_step``; a ZeRO slice when one rank holds every slice) is read from
+there instead: the same numbers, and what the user writes into it reaches the optimizer.
 """
 
 from __future__ import annotations
@@ -48,12 +53,13 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 # Hooks that run between the backward and the optimizer step, with the gradients in hand.
-MODULE_HOOKS = ("on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping")
-CALLBACK_HOOKS = ("on_after_backward", "on_before_optimizer_step")
+MODULE_HOOKS = ("on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping", "on_before_zero_grad")
+CALLBACK_HOOKS = ("on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")
 _FROM_VALUES = frozenset({"tensor", "as_tensor"})  # torch.tensor([...]): reads each element's value
-_TO_PYTHON = frozenset(  # a number or verdict of the whole tensor, as Python sees it
-    {"__float__", "__int__", "__bool__", "__index__", "__complex__", "item", "tolist", "numpy", "equal", "allclose"}
-)
+_TO_PYTHON = frozenset(  # a number, array or verdict of the whole tensor, as Python sees it
+    {"__float__", "__int__", "__bool__", "__index__", "__complex__", "item", "tolist", "numpy", "__array__", "equal",
+     "allclose"}
+)  # fmt: skip
 _FIX = (
     "For clipping use Trainer(gradient_clip_val=...) or self.clip_gradients(optimizer, gradient_clip_val=..., "
     "gradient_clip_algorithm='norm'), which clip by the global norm under every layout; for norms to log use "
@@ -81,9 +87,19 @@ class GradientHere(Enum):
         return {
             GradientHere.TP_SHARD: f"its tensor-parallel shard (1/{sizes.get('tp')} of the gradient)",
             GradientHere.EXPERT_SHARD: f"only this ep rank's experts (1/{sizes.get('ep')} of them)",
-            GradientHere.DATA_SLICE: f"a buffer averaged over the data ranks only in this rank's 1/{slices} chunk (zero=1)",
+            GradientHere.DATA_SLICE: (
+                f"a buffer averaged over the data ranks only in this rank's 1/{slices} chunk (zero=1)"
+            ),
             GradientHere.TP_PARTIAL: "this rank's partial sum, which tp adds over its ranks after on_after_backward",
         }.get(self, "the whole gradient")
+
+
+class Found(Enum):
+    """Where a ``.grad`` read finds the gradient one process would find (``GradientMap.locate``)."""
+
+    READ = "read"  # in .grad itself (whole, or a piece the label says)
+    SUBSTITUTE = "substitute"  # whole, in the optimizer's parameter (fp32 master, a ZeRO slice of one rank)
+    ELSEWHERE = "elsewhere"  # only in the optimizer's slices: .grad holds nothing one process would
 
 
 @dataclass(frozen=True)
@@ -106,28 +122,40 @@ class _Label:
 class GradientMap:
     """Where each parameter's gradient is, by name (the same on every hook call of a fit).
 
-    ``grad_elsewhere``: parameter name -> (its gradient where the optimizer holds it, whether that
-    is the whole gradient shaped as the parameter), or None where it holds none: a precision
-    plugin's fp32 master, or a ZeRO slice of one shard rank, is whole and read in place of a
-    ``None`` ``.grad``; a slice of several is not, and a ``None`` ``.grad`` is then refused.
-    ``stage``: this rank's pipeline stage of ``stages`` (1: no pp); ``tp_partial_until_synced``:
-    names whose gradient tp sums only after ``on_after_backward``."""
+    ``locate(name, grad)``: what a read of that parameter's ``.grad`` (``grad``) stands for now
+    (:class:`Found`, and the tensor to hand back): the optimizer's parameter holds the gradient
+    once ZeRO-1/2 reduced it (its slice; whole with one shard rank) or the precision plugin
+    moved it (the fp32 master). ``tp_partial(name)``: whether that gradient is, right now, a
+    partial sum tp adds up later (SP norm weights under ZeRO-3, until the step's sum).
+    ``stage``: this rank's pipeline stage of ``stages`` (1: no pp)."""
 
     where: Mapping[str, GradientHere]
     sizes: Mapping[str, int]
-    grad_elsewhere: Callable[[str], "tuple[Tensor, bool] | None"] = lambda name: None
+    locate: Callable[[str, "Tensor | None"], "tuple[Found, Tensor | None]"] = lambda name, grad: (Found.READ, grad)
+    tp_partial: Callable[[str], bool] = lambda name: False
     stage: int = 0
     stages: int = 1
-    tp_partial_until_synced: frozenset[str] = frozenset()
+    tp_sums_late: bool = False  # some gradients are summed over tp only after on_after_backward
     dtensor_grads: bool = False  # ZeRO-3: gradients are DTensors (whole to their ops, not to torch.tensor)
-    moved_out: bool = False  # gradients move into fp32 masters or whole ZeRO slices (read from there)
+    moved_out: bool = False  # gradients move into the optimizer's parameters (read from there)
 
     @property
     def needed(self) -> bool:
         """Whether any read could differ from one process's (otherwise no hook is watched)."""
         pieces = any(w != GradientHere.WHOLE for w in self.where.values())
-        late = bool(self.tp_partial_until_synced)
-        return self.stages > 1 or pieces or late or self.dtensor_grads or self.moved_out
+        return self.stages > 1 or pieces or self.tp_sums_late or self.dtensor_grads or self.moved_out
+
+
+class GradientWatch:
+    """One fit's watch: the map, and the labels of what hooks read, kept across hook calls (a copy
+    taken in ``on_after_backward`` and reduced in ``on_before_optimizer_step`` is still a piece)."""
+
+    def __init__(self, grads: GradientMap) -> None:
+        self.map = grads
+        self.labels: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weak: a label dies with its tensor
+
+    def mode(self, root: nn.Module, hook: str) -> "GradientReads":
+        return GradientReads(self, {id(p): n for n, p in root.named_parameters()}, hook)
 
 
 def _tensors(obj: Any) -> list[Tensor]:
@@ -137,10 +165,9 @@ def _tensors(obj: Any) -> list[Tensor]:
 class GradientReads(TorchFunctionMode):
     """The mode of one hook call: labels what ``.grad`` reads return and refuses what they must not feed."""
 
-    def __init__(self, grads: GradientMap, parameters: Mapping[int, str], hook: str) -> None:
+    def __init__(self, watch: GradientWatch, parameters: Mapping[int, str], hook: str) -> None:
         super().__init__()
-        self._map, self._names, self._hook = grads, parameters, hook
-        self._labels: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._map, self._labels, self._names, self._hook = watch.map, watch.labels, parameters, hook
         self._paused = 0
 
     @contextmanager
@@ -180,8 +207,11 @@ class GradientReads(TorchFunctionMode):
         largest = max((t.numel() for t, lab in inputs if lab.partial), default=0)
         if any(o.numel() < largest for o in _tensors(out)):
             self._refuse(label, f"`{name}` reduces a tensor computed from")
-        for o in _tensors(out):
-            self._labels[o] = label
+        written = []  # what an in-place op or an assignment (`flat[i:j] = g`) wrote into, and its base
+        if (name.endswith("_") or name == "__setitem__") and args and isinstance(args[0], Tensor):
+            written = [args[0]] + ([args[0]._base] if args[0]._base is not None else [])
+        for o in _tensors(out) + written:
+            self._labels[o] = label if o not in self._labels else self._labels[o].join(label)
         return out
 
     def _read_grad(self, param: Tensor, grad: Tensor | None) -> Tensor | None:
@@ -189,14 +219,13 @@ class GradientReads(TorchFunctionMode):
         if name is None:
             return grad
         where = self._map.where.get(name, GradientHere.WHOLE)
+        read = grad
+        found, grad = self._map.locate(name, grad)
+        if found == Found.ELSEWHERE:
+            self._refuse_elsewhere(name, read is None)
         if grad is None:
-            elsewhere, whole = self._map.grad_elsewhere(name) or (None, False)
-            if elsewhere is None:
-                return grad  # no gradient anywhere: None in one process too
-            if not whole:
-                self._refuse_none(name)
-            grad = elsewhere  # moved into the fp32 master / ZeRO's whole slice: the same numbers
-        if name in self._map.tp_partial_until_synced and self._hook.endswith("on_after_backward"):
+            return grad  # no gradient anywhere: None in one process too
+        if self._map.tp_partial(name):
             where = GradientHere.TP_PARTIAL
         self._labels[grad] = _Label(frozenset({name}), where, name)
         return grad
@@ -250,13 +279,16 @@ class GradientReads(TorchFunctionMode):
             f"whole gradient one process holds, so each rank would get a different, wrong number. {_FIX}"
         )
 
-    def _refuse_none(self, name: str) -> None:
-        sizes = self._map.sizes
+    def _refuse_elsewhere(self, name: str, none: bool) -> None:
+        held = (
+            "is None on this rank (a loop over `if p.grad is not None` would silently leave it out)"
+            if none
+            else "holds this rank's own, unreduced gradient (what is written into it never reaches the optimizer)"
+        )
         raise GradientReadError(
-            f"{self._hook}: {name}.grad is None on this rank, where one process holds the gradient (a loop over "
-            f"`if p.grad is not None` would silently leave it out): under zero={sizes.get('zero')} the gradient "
-            f"averaged over the data ranks exists only as each rank's 1/{sizes.get('slices')} slice, the "
-            f"optimizer's parameter. {_FIX}"
+            f"{self._hook}: {name}.grad {held}, where one process holds the gradient: under "
+            f"zero={self._map.sizes.get('zero')} the gradient averaged over the data ranks exists only as the "
+            f"optimizer's slices of it, one per data rank. {_FIX}"
         )
 
 
@@ -282,32 +314,34 @@ class ManualWindow:
     def __init__(self) -> None:
         self._mode: GradientReads | None = None
 
-    def open(self, grads: GradientMap, root: nn.Module, hook: str) -> None:
+    def open(self, watch: GradientWatch, root: nn.Module, hook: str) -> None:
         self.close()
-        if grads.needed:
-            self._mode = GradientReads(grads, {id(p): n for n, p in root.named_parameters()}, hook)
+        if watch.map.needed:
+            self._mode = watch.mode(root, hook)
             self._mode.__enter__()
 
     def close(self) -> None:
         mode, self._mode = self._mode, None
-        if mode is None:
+        if mode is None or not any(m is mode for m in torch.overrides._get_current_function_mode_stack()):
             return
-        if torch.overrides._get_current_function_mode() is mode:
-            mode.__exit__(None, None, None)
-        else:  # a mode the user's step left open sits above it: silence it rather than pop another
-            mode._paused += 1
+        # Modes entered after it (and not left yet) stay, in their order: each leaves from the top.
+        above = []
+        while torch.overrides._get_current_function_mode() is not mode:
+            above.append(torch.overrides._pop_mode())
+        torch.overrides._pop_mode()
+        for m in reversed(above):
+            torch.overrides._push_mode(m)
 
 
 @contextmanager
-def watching(grads: GradientMap, root: nn.Module, hook: str) -> Iterator[GradientReads]:
+def watching(watch: GradientWatch, root: nn.Module, hook: str) -> Iterator[GradientReads]:
     """Inside: ``hook``'s reads of ``root``'s parameters' gradients are watched."""
-    names = {id(p): n for n, p in root.named_parameters()}
-    with GradientReads(grads, names, hook) as mode:
+    with watch.mode(root, hook) as mode:
         yield mode
 
 
 def watch_hooks(
-    grads: GradientMap, root: nn.Module, owners: Iterable[tuple[Any, Iterable[str], str]]
+    watch: GradientWatch, root: nn.Module, owners: Iterable[tuple[Any, Iterable[str], str]]
 ) -> Callable[[], None]:
     """Each ``owner``'s hooks (``(object, hook names, label)``) run watched; returns the undo.
 
@@ -319,7 +353,7 @@ def watch_hooks(
                 continue
             own = vars(owner).get(hook)
             undo.append(_restore(owner, hook, own))
-            setattr(owner, hook, _watched(getattr(owner, hook), grads, root, f"{label}.{hook}"))
+            setattr(owner, hook, _watched(getattr(owner, hook), watch, root, f"{label}.{hook}"))
 
     def remove() -> None:
         for u in reversed(undo):
@@ -338,9 +372,9 @@ def _restore(owner: Any, hook: str, own: Any) -> Callable[[], None]:
     return put_back
 
 
-def _watched(method: Callable, grads: GradientMap, root: nn.Module, hook: str) -> Callable:
+def _watched(method: Callable, watch: GradientWatch, root: nn.Module, hook: str) -> Callable:
     def run(*args: Any, **kwargs: Any) -> Any:
-        with watching(grads, root, hook):
+        with watching(watch, root, hook):
             return method(*args, **kwargs)
 
     run.__wrapped__ = method  # type: ignore[attr-defined]

@@ -34,6 +34,7 @@ from lightning_5d.checkpoint.options import CheckpointFormat, CheckpointWrite
 from lightning_5d.config import ActivationCheckpointing, Layout, LayoutError, ParallelConfig, VerifyMode, ZeroStage
 from lightning_5d.dimensions import apply_dimensions, combination_for
 from lightning_5d.fp8.numerics_check import log_numerics, loss_without_fp8, numerics_check_due
+from lightning_5d.gradient_places import GradientPlaces
 from lightning_5d.materialize import InitLog, MetaBuild
 from lightning_5d.mesh import ParallelMesh
 from lightning_5d.metric_sync import metrics_of, sync_metrics_across_tp
@@ -41,6 +42,7 @@ from lightning_5d.parallel.context import ContextParallel
 from lightning_5d.parallel.expert import ExpertParallel
 from lightning_5d.parallel.frozen import refuse_finetuning_callbacks
 from lightning_5d.parallel.pipeline import PipelineMode, PipelineParallel
+from lightning_5d.parallel.step_log import shadowed
 from lightning_5d.parallel.tensor.plain import plain_tensors
 from lightning_5d.precision import FiveDPrecision
 from lightning_5d.process_exit import leave_together_at_exit, mark_failed
@@ -275,8 +277,8 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
             module = self.lightning_module
-            grads = self._applied.gradient_map(module, precision, int(self.zero_stage))
-            self._applied.watch_gradient_reads(module, trainer.callbacks, grads)
+            places = GradientPlaces(module, self._applied, precision, int(self.zero_stage))
+            self._applied.watch_gradient_reads(module, trainer.callbacks, places)
 
     def _parallelize(self, module: torch.nn.Module) -> None:
         """The dimensions in their fixed order (``lightning_5d.dimensions.STEPS``), once per module."""
@@ -396,11 +398,12 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._applied.align_random_stream(self.lightning_module.trainer.global_step)
-        with self._applied.expert_step(self.lightning_module):
-            try:
-                return self._training_step(args, kwargs)
-            finally:
-                self._applied.manual_window.close()
+        # The user's step closes the manual-optimization window as it returns: inside every context
+        # entered around it (the step regions, Lightning's train_step_context), whose modes must
+        # leave torch's mode stack from its top.
+        module = self.lightning_module
+        with self._applied.expert_step(module), shadowed(module, "training_step", self._closing_manual_window):
+            return self._training_step(args, kwargs)
 
     @override
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
@@ -411,7 +414,7 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
         return out
 
     def _training_step(self, args: tuple, kwargs: dict) -> Any:
-        step = self._closing_manual_window(super().training_step)
+        step = super().training_step
         if self._applied.pp is not None:
             return self._pipeline_step(PipelineMode.TRAIN, step, args, kwargs)
         # Automatic optimization runs backward after the step returns: the shard stays current
@@ -430,8 +433,7 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
         return out
 
     def _closing_manual_window(self, step: Callable[..., Any]) -> Callable[..., Any]:
-        """The user's step, whose manual-optimization window closes as it returns: inside the step
-        regions, whose own modes leave after it (a mode must leave the stack from its top)."""
+        """The user's ``training_step``, closing the manual-optimization window as it returns."""
 
         def run(*args: Any, **kwargs: Any) -> Any:
             try:
@@ -482,7 +484,7 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
         (a collective: call it on every rank). ``lightning_5d.grad_norm`` formats it as Lightning's
         ``grad_norm``; it reads the gradients wherever the layout keeps them (tp shards, ZeRO
         slices, fp32 masters, other pipeline stages)."""
-        return self._applied.grad_norms(self.lightning_module, self._five_d_precision, float(norm_type))
+        return self._applied.grad_norms(self.lightning_module, float(norm_type), self.root_device)
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:

@@ -111,6 +111,7 @@ def per_parameter_norms(
     names: list[str],
     norm_type: float,
     *,
+    device: torch.device | None = None,
     tp_group: dist.ProcessGroup | None = None,
     tp_sharded: Callable[[str], bool] = lambda name: False,
     expert_group: dist.ProcessGroup | None = None,
@@ -132,7 +133,8 @@ def per_parameter_norms(
     index = {n: i for i, n in enumerate(names)}
     infinite = math.isinf(norm_type)
     op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
-    device = next((p.device for p in pieces.values()), torch.device("cpu"))
+    # Every rank's vectors on the collective's device, also a rank holding no gradient (NCCL).
+    device = device or next((p.device for p in pieces.values()), torch.device("cpu"))
     powered = torch.zeros(len(names), dtype=torch.float64, device=device)
     present = torch.zeros(len(names), dtype=torch.float64, device=device)
     by_groups: dict[tuple, list[int]] = {}

@@ -9,10 +9,12 @@ import torch
 from torch import nn
 
 from lightning_5d.gradient_reads import (
+    Found,
     GradientHere,
     GradientMap,
     GradientReadError,
-    GradientReads,
+    GradientWatch,
+    ManualWindow,
     unwatched,
     watch_hooks,
     watching,
@@ -27,9 +29,9 @@ def model_with_grads() -> nn.Module:
     return model
 
 
-def shard_map(model: nn.Module, sharded=("0.weight",), **options) -> GradientMap:
+def shard_map(model: nn.Module, sharded=("0.weight",), **options) -> GradientWatch:
     where = {n: GradientHere.TP_SHARD if n in sharded else GradientHere.WHOLE for n, _ in model.named_parameters()}
-    return GradientMap(where=where, sizes={"tp": 2, "zero": 1, "slices": 2}, **options)
+    return GradientWatch(GradientMap(where=where, sizes={"tp": 2, "zero": 1, "slices": 2}, **options))
 
 
 def test_reductions_of_a_shard_are_refused_with_the_fix():
@@ -77,7 +79,8 @@ def test_the_strategys_own_reads_pause_the_watch():
 
 def test_under_pp_combining_parameters_is_refused_but_one_parameter_passes():
     model = model_with_grads()
-    grads = GradientMap(where={n: GradientHere.WHOLE for n, _ in model.named_parameters()}, sizes={}, stage=1, stages=2)
+    where = {n: GradientHere.WHOLE for n, _ in model.named_parameters()}
+    grads = GradientWatch(GradientMap(where=where, sizes={}, stage=1, stages=2))
     with watching(grads, model, "M.on_before_optimizer_step"):
         one = model[0].weight.grad.norm(2)  # a whole parameter's norm is right on its stage
         assert float(one) > 0
@@ -87,21 +90,75 @@ def test_under_pp_combining_parameters_is_refused_but_one_parameter_passes():
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
 
 
-def test_a_gradient_in_the_optimizers_slice_is_refused_and_a_whole_master_is_read():
+def test_a_gradient_only_in_the_optimizers_slices_is_refused_and_a_whole_one_is_read():
     model = model_with_grads()
-    sliced, master = nn.Parameter(torch.zeros(1)), nn.Parameter(torch.zeros(8))
-    sliced.grad, master.grad = torch.ones(1), torch.full((8,), 3.0)
-    model[0].weight.grad, model[1].weight.grad = None, None  # moved out before the hook
-    elsewhere = {"0.weight": (sliced.grad, False), "1.weight": (master.grad, True)}
-    grads = shard_map(model, sharded=(), grad_elsewhere=elsewhere.get, moved_out=True)
+    master = torch.full((8,), 3.0)
+    model[1].weight.grad = None  # moved into the fp32 master before the hook
+    places = {"0.weight": (Found.ELSEWHERE, None), "1.weight": (Found.SUBSTITUTE, master)}
+    grads = shard_map(model, sharded=(), locate=lambda name, grad: places.get(name, (Found.READ, grad)), moved_out=True)
     with watching(grads, model, "M.on_before_optimizer_step"):
-        with pytest.raises(GradientReadError, match=r"0.weight.grad is None on this rank"):
-            [p.grad for p in model.parameters()]
+        with pytest.raises(GradientReadError, match=r"0.weight.grad holds this rank's own, unreduced gradient"):
+            [p.grad for p in model.parameters()]  # None, or this rank's own unreduced gradient
         read = model[1].weight.grad
-        assert read is master.grad  # the same numbers, and writes reach the optimizer's parameter
+        assert read is master  # the same numbers, and writes reach the optimizer's parameter
         read.mul_(0.5)
-    assert torch.equal(master.grad, torch.full((8,), 1.5))
-    assert model[2].bias.grad is not None and model[0].weight.grad is None  # outside: untouched
+    assert torch.equal(master, torch.full((8,), 1.5))
+    assert model[2].bias.grad is not None and model[1].weight.grad is None  # outside: untouched
+
+
+def test_a_partial_sum_is_a_piece_while_it_is_pending():
+    model = model_with_grads()
+    pending = [True]
+    grads = shard_map(model, sharded=(), tp_partial=lambda name: pending[0] and name == "1.weight", tp_sums_late=True)
+    assert grads.map.needed
+    with watching(grads, model, "M.on_after_backward"):
+        with pytest.raises(GradientReadError, match="partial sum, which tp adds"):
+            model[1].weight.grad.norm()
+    pending[0] = False
+    with watching(grads, model, "M.on_before_optimizer_step"):
+        assert float(model[1].weight.grad.norm()) >= 0
+
+
+def test_a_piece_copied_into_another_buffer_stays_a_piece():
+    model = model_with_grads()
+    grads = shard_map(model)
+    with watching(grads, model, "hook"):
+        flat = torch.zeros(64)
+        flat[:32] = model[0].weight.grad.view(-1)
+        with pytest.raises(GradientReadError, match="`norm` reduces"):
+            flat.norm()
+        other = torch.zeros(40)
+        other[:32].copy_(model[0].weight.grad.view(-1))
+        with pytest.raises(GradientReadError, match="`sum` reduces"):
+            other.sum()
+        with pytest.raises(GradientReadError, match="`__array__"):
+            model[0].weight.grad.__array__()
+        kept = model[0].weight.grad.clone()
+    with watching(grads, model, "hook 2"):  # the same fit's next hook: still a piece
+        with pytest.raises(GradientReadError, match="^hook 2: `norm` reduces"):
+            kept.norm()
+
+
+def test_the_manual_window_leaves_the_mode_stack_as_it_found_it():
+    from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+
+    class Other(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    model = model_with_grads()
+    window, other = ManualWindow(), Other()
+    before = list(_get_current_function_mode_stack())
+    window.open(shard_map(model), model, "step after manual_backward")
+    other.__enter__()  # a mode entered around the rest of the step, left after the window closes
+    with pytest.raises(GradientReadError):
+        model[0].weight.grad.norm()
+    window.close()
+    model[0].weight.grad.norm()  # unwatched again
+    assert _get_current_function_mode_stack() == [*before, other]
+    other.__exit__(None, None, None)
+    assert _get_current_function_mode_stack() == before
+    window.close()  # closing twice does nothing
 
 
 def test_gradients_of_no_watched_parameter_pass():
@@ -155,6 +212,7 @@ def test_a_name_without_gradient_is_left_out():
 
 def test_nothing_is_watched_where_every_gradient_is_whole():
     model = model_with_grads()
-    assert not shard_map(model, sharded=()).needed
-    assert shard_map(model).needed and shard_map(model, sharded=(), stages=2).needed
-    assert isinstance(GradientReads(shard_map(model), {}, "hook"), GradientReads)
+    assert not shard_map(model, sharded=()).map.needed
+    assert shard_map(model).map.needed and shard_map(model, sharded=(), stages=2).map.needed
+    assert shard_map(model, sharded=(), dtensor_grads=True).map.needed
+    assert shard_map(model, sharded=(), moved_out=True).map.needed

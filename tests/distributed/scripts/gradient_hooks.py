@@ -8,6 +8,8 @@ FiveDStrategy(**layout) (a world of one: one process), with a hook written as fo
 * ``lightning_grad_norm``: ``self.log_dict(grad_norm(self, 2))`` (Lightning's utility);
 * ``torch_clip``: ``torch.nn.utils.clip_grad_norm_(self.parameters(), 0.05)``;
 * ``l5d_grad_norm``: ``self.log_dict(lightning_5d.grad_norm(self, norm))``, also of one block;
+  ``l5d_grad_norm_after_backward``: the same in ``on_after_backward``; ``norm_weight_after_backward``:
+  a norm weight's gradient norm there;
 * ``value_clip``: ``torch.nn.utils.clip_grad_value_(self.parameters(), 1e-3)`` (element-wise);
 * ``trainer_clip``: no hook, ``Trainer(gradient_clip_val=0.05)``;
 * ``manual_torch_clip`` / ``manual_lightning_clip``: manual optimization, clipping between
@@ -38,6 +40,12 @@ class HookedLM(RecordingLM):
     hook = "none"
     norm = 2.0
 
+    def on_after_backward(self):
+        if self.hook == "l5d_grad_norm_after_backward":  # SP's norm weights: partial sums until later
+            self.log_dict(lightning_5d.grad_norm(self, self.norm))
+        elif self.hook == "norm_weight_after_backward":
+            self.log("norm_weight", self.model.layers[0].attention_norm.weight.grad.norm())
+
     def on_before_optimizer_step(self, optimizer):
         if self.hook == "lightning_grad_norm":
             self.log_dict(grad_norm(self, norm_type=2))
@@ -55,8 +63,10 @@ class ManualLM(HookedLM):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.automatic_optimization = False
+        self.mode_stack_depths = []  # torch's function-mode stack as each step starts: must not grow
 
     def training_step(self, batch, batch_idx):
+        self.mode_stack_depths.append(len(torch.overrides._get_current_function_mode_stack()))
         opt = self.optimizers()
         loss = super().training_step(batch, batch_idx)
         self.manual_backward(loss)
@@ -87,7 +97,9 @@ def run(case: dict) -> dict:
         return {"error": str(error)}
     state = trainer.strategy.full_model_state()
     return {"metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
-            "params": {k: v.detach().clone() for k, v in state.items()}}  # fmt: skip
+            "params": {k: v.detach().clone() for k, v in state.items()},
+            "mode_stack_depths": getattr(module, "mode_stack_depths", []),
+            "mode_stack_after": len(torch.overrides._get_current_function_mode_stack())}  # fmt: skip
 
 
 if __name__ == "__main__":
