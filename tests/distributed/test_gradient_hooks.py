@@ -36,6 +36,8 @@ REFUSED = {  # name: (case, words the message must hold)
     "dp2 zero=2: torch clip_grad_value_": ({"layout": {"zero": 2}, "hook": "value_clip"}, ["is None on this rank"]),
     "MoE ep2 zero=3: Lightning's grad_norm": ({"layout": {"ep": 2, "zero": 3}, "hook": "lightning_grad_norm",
                                                "model": "tiny_moe"}, ["only this ep rank's experts (1/2"]),
+    "tp2: a total norm in on_before_zero_grad": ({"layout": TP2, "hook": "norm_before_zero_grad"},
+                                                 ["HookedLM.on_before_zero_grad", "tensor-parallel shard"]),
     "tp2, manual optimization: torch clip_grad_norm_": ({"layout": TP2, "hook": "manual_torch_clip"},
                                                         ["training_step after manual_backward", "tensor-parallel"]),
     # bf16: the module's .grad is this rank's own unreduced gradient; the averaged one is the master slice.

@@ -9,7 +9,7 @@ FiveDStrategy(**layout) (a world of one: one process), with a hook written as fo
 * ``torch_clip``: ``torch.nn.utils.clip_grad_norm_(self.parameters(), 0.05)``;
 * ``l5d_grad_norm``: ``self.log_dict(lightning_5d.grad_norm(self, norm))``, also of one block;
   ``l5d_grad_norm_after_backward``: the same in ``on_after_backward``; ``norm_weight_after_backward``:
-  a norm weight's gradient norm there;
+  a norm weight's gradient norm there; ``norm_before_zero_grad``: the total norm in ``on_before_zero_grad``;
 * ``value_clip``: ``torch.nn.utils.clip_grad_value_(self.parameters(), 1e-3)`` (element-wise);
 * ``trainer_clip``: no hook, ``Trainer(gradient_clip_val=0.05)``;
 * ``manual_torch_clip`` / ``manual_lightning_clip``: manual optimization, clipping between
@@ -45,6 +45,11 @@ class HookedLM(RecordingLM):
             self.log_dict(lightning_5d.grad_norm(self, self.norm))
         elif self.hook == "norm_weight_after_backward":
             self.log("norm_weight", self.model.layers[0].attention_norm.weight.grad.norm())
+
+    def on_before_zero_grad(self, optimizer):
+        if self.hook == "norm_before_zero_grad" and self.trainer.global_step > 0:  # a stepped gradient
+            norms = [p.grad.norm() for p in self.parameters() if p.grad is not None]
+            self.log("previous_norm", torch.stack(norms).norm())
 
     def on_before_optimizer_step(self, optimizer):
         if self.hook == "lightning_grad_norm":
