@@ -27,14 +27,11 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_5d.gradient_reads import Found, GradientHere, GradientMap
+from lightning_5d.parallel.regions import local_tensor
 
 
 def _shares_storage(a: Tensor, b: Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class GradientPlaces:
@@ -71,8 +68,8 @@ class GradientPlaces:
             if reduced is None:  # not reduced yet (an accumulating micro-batch), or not in the optimizer
                 return Found.READ, grad
             if whole:
-                return Found.SUBSTITUTE, _local(reduced).view(self._shapes[name])
-            if grad is not None and _shares_storage(grad, _local(reduced)):
+                return Found.SUBSTITUTE, local_tensor(reduced).view(self._shapes[name])
+            if grad is not None and _shares_storage(grad, local_tensor(reduced)):
                 return Found.READ, grad  # ZeRO-1's buffer: this rank's chunk is the master's gradient
             return Found.ELSEWHERE, None
         master = self._masters.get(name)
@@ -119,10 +116,10 @@ class GradientPlaces:
                 out[name] = grad
         pending = sorted(n for n in out if self.tp_partial(n))
         if pending:
-            flat = torch.cat([_local(out[n]).reshape(-1).to(torch.float64) for n in pending])
+            flat = torch.cat([local_tensor(out[n]).reshape(-1).to(torch.float64) for n in pending])
             dist.all_reduce(flat, group=self._tp.group)
-            for n, piece in zip(pending, flat.split([_local(out[n]).numel() for n in pending])):
-                out[n] = _like(out[n], piece.view(_local(out[n]).shape))
+            for n, piece in zip(pending, flat.split([local_tensor(out[n]).numel() for n in pending])):
+                out[n] = _like(out[n], piece.view(local_tensor(out[n]).shape))
         return out
 
 

@@ -353,24 +353,13 @@ class FiveDPrecision(Precision):
     def masters_of(self, optimizer: torch.optim.Optimizer) -> MasterWeights | None:
         return self._masters.get(id(getattr(optimizer, "_optimizer", optimizer)))
 
-    def master_names(self, module: nn.Module) -> dict[int, str]:
-        names = {id(p): n for n, p in module.named_parameters()}
-        out = {}
-        for masters in self._masters.values():
-            for p, m in masters._pairs:
-                if id(p) in names:
-                    out[id(m)] = names[id(p)]
-        return out
-
     def masters_by_name(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """Parameter name -> its fp32 master (the optimizer's parameter, holding the gradient once moved)."""
-        names = self.master_names(module)
-        found = {}
-        for masters in self._masters.values():
-            for _, m in masters._pairs:
-                if id(m) in names:
-                    found[names[id(m)]] = m
-        return found
+        names = {id(p): n for n, p in module.named_parameters()}
+        return {names[id(p)]: m for masters in self._masters.values() for p, m in masters._pairs if id(p) in names}
+
+    def master_names(self, module: nn.Module) -> dict[int, str]:
+        return {id(m): n for n, m in self.masters_by_name(module).items()}
 
     def after_backward(self, automatic_optimization: bool = True, accumulating: bool = False) -> None:
         """With fp32 accumulation, each micro-batch's gradients move into the fp32 masters now (they

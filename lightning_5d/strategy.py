@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Generator, Mapping
 
@@ -398,11 +398,13 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._applied.align_random_stream(self.lightning_module.trainer.global_step)
-        # The user's step closes the manual-optimization window as it returns: inside every context
-        # entered around it (the step regions, Lightning's train_step_context), whose modes must
-        # leave torch's mode stack from its top.
+        # Manual optimization: the user's step closes the window opened by its manual_backward as it
+        # returns, inside every context entered around it (the step regions, Lightning's
+        # train_step_context), whose modes must leave torch's mode stack from its top.
         module = self.lightning_module
-        with self._applied.expert_step(module), shadowed(module, "training_step", self._closing_manual_window):
+        manual = not module.automatic_optimization
+        closing = shadowed(module, "training_step", self._closing_manual_window) if manual else nullcontext()
+        with self._applied.expert_step(module), closing:
             return self._training_step(args, kwargs)
 
     @override

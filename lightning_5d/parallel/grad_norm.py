@@ -18,6 +18,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from lightning_5d.parallel.regions import local_tensor
+
 
 def _norm_of(grads: list[Tensor], norm_type: float, dtype: torch.dtype) -> Tensor:
     """The norm over ``grads`` (dense tensors and/or DTensors), as a plain scalar."""
@@ -96,7 +98,7 @@ def clip_grad_norm_(
     )
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
-        g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+        g = local_tensor(p.grad)
         g.mul_(coef.to(g.device, g.dtype))
     return total
 
@@ -140,7 +142,7 @@ def per_parameter_norms(
     by_groups: dict[tuple, list[int]] = {}
     for name, piece in pieces.items():
         i = index[name]
-        local = piece._local_tensor if isinstance(piece, DTensor) else piece
+        local = local_tensor(piece)
         # A rank may hold an empty piece (ZeRO's padding chunk): it adds nothing.
         n = torch.linalg.vector_norm(local.detach().double(), norm_type) if local.numel() else powered.new_zeros(())
         powered[i] = n if infinite else n**norm_type

@@ -468,7 +468,7 @@ class ZeroDataParallel:
 
     def master_names(self) -> dict[int, str]:
         """id of each master slice -> the name of the module parameter it slices."""
-        return {id(s.master): self._names[id(s.param)] for s in self._shards if s.master is not None}
+        return {id(m): n for n, m in self.masters_by_name().items() if m is not None}
 
     def _param_of(self, p: torch.Tensor) -> torch.Tensor:
         """The module parameter behind an optimizer parameter (a master slice or itself)."""
