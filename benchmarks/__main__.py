@@ -58,7 +58,8 @@ python -m benchmarks run --only comm_vs_theory            # one section; the oth
 python -m benchmarks.gpu run --out DIR                    # the one-GPU suite (benchmarks/README.md: prepare, run)
 ```
 
-Each run rewrites this file and `results.json` (every raw number, per rank and per repeat).
+Each run rewrites its sections of this file and `results.json` (every raw number, per rank and per
+repeat); text added by hand (notes, reruns, sections measured by hand) is kept.
 Multi-process benchmarks start their workers with `torch.distributed.run` (gloo, 1 thread per
 process) through `lightning_5d.testing.run_distributed`, which kills a hung run. Timings on a
 machine shared with other work are noisy: compare ratios taken within one run, not absolute
@@ -88,6 +89,30 @@ def render(results: dict) -> str:
     return "\n".join(sections)
 
 
+KEPT = "Kept from the previous RESULTS.md (edited by hand since it was generated, or measured by hand):"
+
+
+def updated(text: str, name: str, old: dict | None, new: dict) -> str:
+    """RESULTS.md ``text`` with ``name``'s generated section made ``new``'s.
+
+    Where the previous run's generated text (``old``'s) is still there word for word, it is replaced
+    in place. Where it is not (notes, tables and reruns added by hand inside the section), the new
+    section goes in front and the old text stays under it. Sections and notes no run generates
+    (measured by hand: verify_cost, training_patterns, ...) are never touched, so a rerun of one
+    benchmark loses no recorded number."""
+    fresh = "\n".join(results_section(name, new))
+    if old is not None:
+        before = "\n".join(results_section(name, old))
+        if before in text:
+            return text.replace(before, fresh, 1)
+    heading = f"## {name}\n"
+    found = text.find("\n" + heading)
+    at = 0 if text.startswith(heading) else found + 1 if found >= 0 else -1
+    if at >= 0:
+        return text[:at] + fresh + "\n" + KEPT + "\n\n" + text[at + len(heading) :].lstrip("\n")
+    return text.rstrip("\n") + "\n\n" + fresh + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks")
     parser.add_argument("command", choices=["run"])
@@ -95,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", choices=list(BENCHMARKS), default=list(BENCHMARKS))
     args = parser.parse_args(argv)
     results = json.loads((HERE / "results.json").read_text()) if (HERE / "results.json").exists() else {}
+    previous = dict(results)
+    report = HERE / "RESULTS.md"
+    text = report.read_text() if report.exists() else render(results)
     started = time.perf_counter()
     for name in args.only:
         print(f"[benchmarks] {name} ...", flush=True)
@@ -111,9 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[benchmarks] {name}: {result['elapsed_s']:.0f} s", flush=True)
         # Written after every benchmark, so an interrupted run keeps what it measured.
         (HERE / "results.json").write_text(json.dumps(results, indent=2) + "\n")
-        (HERE / "RESULTS.md").write_text(render(results))
+        text = updated(text, name, previous.get(name), result)
+        report.write_text(text)
     print(f"[benchmarks] total: {time.perf_counter() - started:.0f} s", flush=True)
-    print((HERE / "RESULTS.md").read_text())
+    print(report.read_text())
     return 0
 
 

@@ -17,6 +17,7 @@ from lightning_5d.config import (
 from lightning_5d.fp8.recipes import Fp8Backend, Fp8Recipe
 from lightning_5d.grad_norms import grad_norm
 from lightning_5d.gradient_reads import GradientReadError
+from lightning_5d.parameter_reads import ParameterReadError
 from lightning_5d.precision import FiveDPrecision, PrecisionError
 from lightning_5d.requeue import AutoRequeue
 from lightning_5d.strategy import FiveDStrategy
@@ -35,6 +36,7 @@ __all__ = [
     "Layout",
     "LayoutError",
     "ParallelConfig",
+    "ParameterReadError",
     "PrecisionError",
     "ZeroStage",
     "__version__",

@@ -13,7 +13,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from lightning_5d.gradient_reads import unwatched
+from lightning_5d.piece_reads import unwatched
 
 
 @dataclass(frozen=True)

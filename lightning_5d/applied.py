@@ -8,7 +8,7 @@ the dimensions are applied lives in ``dimensions.py``; this module holds only th
 
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -25,7 +25,6 @@ from lightning_5d.gradient_reads import (
     MODULE_HOOKS,
     GradientWatch,
     ManualWindow,
-    unwatched,
     watch_hooks,
 )
 from lightning_5d.parallel.context import ContextParallel, ContextParallelError
@@ -35,9 +34,12 @@ from lightning_5d.parallel.expert import ExpertParallel, ExpertParallelError
 from lightning_5d.parallel.frozen import FrozenAtSetup
 from lightning_5d.parallel.grad_norm import clip_grad_norm_, per_parameter_norms
 from lightning_5d.parallel.pipeline import PipelineLoop, PipelineMode, PipelineParallel
+from lightning_5d.parallel.step_log import shadowed
 from lightning_5d.parallel.tensor import TensorParallel
 from lightning_5d.parallel.tensor.plain import plain_logged_values, plain_metric_updates, plain_tensors
 from lightning_5d.parallel.tensor.vocab import loss_parallel_region
+from lightning_5d.parameter_reads import ParameterMap, ParameterWatch
+from lightning_5d.piece_reads import unwatched
 from lightning_5d.precision import FiveDPrecision
 
 
@@ -81,6 +83,7 @@ class AppliedDimensions:
     gradient_places: GradientPlaces | None = None  # this fit's (watch_gradient_reads)
     _watch: GradientWatch | None = None  # this fit's watch on the user's gradient hooks
     manual_window: ManualWindow = field(default_factory=ManualWindow)
+    _parameter_watch: ParameterWatch | None = None  # this fit's watch on the user's training_step
     _all_names: list[str] | None = None  # every rank's parameter names, one order (grad_norms)
 
     # ------------------------------------------------------------------ re-entry
@@ -323,11 +326,34 @@ class AppliedDimensions:
         if self._watch is not None:
             self.manual_window.open(self._watch, module, f"{type(module).__name__}.training_step after manual_backward")
 
+    def watch_parameter_reads(self, module: nn.Module) -> None:
+        """The user's ``training_step`` runs watched for values computed from parameters that would
+        differ from one process's (``parameter_reads``), when any can differ under this layout."""
+        if self._parameter_watch is not None:
+            self._parameter_watch.remove()
+            self._parameter_watch = None
+        parameters = ParameterMap.of(module, self.tp, self.ep, self.pp, zero3=bool(self.fsdp_units))
+        if parameters.needed:
+            self._parameter_watch = ParameterWatch(module, parameters)
+
+    def watched_training_step(self, module: nn.Module) -> AbstractContextManager:
+        """Inside: ``module.training_step`` runs watched (``watch_parameter_reads``). Shadowed per
+        step, after Lightning has read the step's signature, like the step regions."""
+        watch = self._parameter_watch
+        if watch is None:
+            return nullcontext()
+        context = f"{type(module).__name__}.training_step"
+        return shadowed(module, "training_step", lambda step: watch.step(step, context))
+
     def unwatch_gradient_reads(self) -> None:
+        """The user's hooks and step as they were (the fit ends)."""
         self.manual_window.close()
         if self._unwatch_hooks is not None:
             self._unwatch_hooks()
             self._unwatch_hooks = None
+        if self._parameter_watch is not None:
+            self._parameter_watch.remove()
+            self._parameter_watch = None
 
     def grad_norms(self, module: nn.Module, norm_type: float, device: torch.device) -> dict:
         """Each parameter's whole-gradient norm by one-process name, on every rank (collective): what

@@ -40,7 +40,7 @@ there instead: the same numbers, and what the user writes into it reaches the op
 
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable, Iterable, Iterator, Mapping
@@ -48,18 +48,14 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
+
+from lightning_5d.piece_reads import Label, PieceReads, remove_mode
 
 # Hooks that run between the backward and the optimizer step, with the gradients in hand.
 MODULE_HOOKS = ("on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping", "on_before_zero_grad")
 CALLBACK_HOOKS = ("on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")
 _FROM_VALUES = frozenset({"tensor", "as_tensor"})  # torch.tensor([...]): reads each element's value
-_TO_PYTHON = frozenset(  # a number, array or verdict of the whole tensor, as Python sees it
-    {"__float__", "__int__", "__bool__", "__index__", "__complex__", "item", "tolist", "numpy", "__array__", "equal",
-     "allclose"}
-)  # fmt: skip
 _FIX = (
     "For clipping use Trainer(gradient_clip_val=...) or self.clip_gradients(optimizer, gradient_clip_val=..., "
     "gradient_clip_algorithm='norm'), which clip by the global norm under every layout; for norms to log use "
@@ -81,6 +77,10 @@ class GradientHere(Enum):
     DATA_SLICE = "data_slice"  # ZeRO-1/2: reduced only in this rank's chunk, or None (in the optimizer)
     TP_PARTIAL = "tp_partial"  # SP norm weights under ZeRO-3 before their sum over tp
 
+    @property
+    def piece(self) -> bool:
+        return self != GradientHere.WHOLE
+
     def describe(self, sizes: Mapping[str, int]) -> str:
         """What ``.grad`` holds, as a noun phrase."""
         slices = sizes.get("slices")
@@ -100,22 +100,6 @@ class Found(Enum):
     READ = "read"  # in .grad itself (whole, or a piece the label says)
     SUBSTITUTE = "substitute"  # whole, in the optimizer's parameter (fp32 master, a ZeRO slice of one rank)
     ELSEWHERE = "elsewhere"  # only in the optimizer's slices: .grad holds nothing one process would
-
-
-@dataclass(frozen=True)
-class _Label:
-    names: frozenset[str]
-    where: GradientHere  # WHOLE unless a source is a piece (the first such source's kind)
-    name: str  # the parameter the message names
-
-    def join(self, other: "_Label") -> "_Label":
-        mine = self.where != GradientHere.WHOLE
-        keep = self if mine or other.where == GradientHere.WHOLE else other
-        return _Label(self.names | other.names, keep.where, keep.name)
-
-    @property
-    def partial(self) -> bool:
-        return self.where != GradientHere.WHOLE
 
 
 @dataclass(frozen=True)
@@ -158,61 +142,25 @@ class GradientWatch:
         return GradientReads(self, {id(p): n for n, p in root.named_parameters()}, hook)
 
 
-def _tensors(obj: Any) -> list[Tensor]:
-    return [x for x in tree_flatten(obj)[0] if isinstance(x, Tensor)]
-
-
-class GradientReads(TorchFunctionMode):
+class GradientReads(PieceReads):
     """The mode of one hook call: labels what ``.grad`` reads return and refuses what they must not feed."""
 
     def __init__(self, watch: GradientWatch, parameters: Mapping[int, str], hook: str) -> None:
-        super().__init__()
-        self._map, self._labels, self._names, self._hook = watch.map, watch.labels, parameters, hook
-        self._paused = 0
+        super().__init__(watch.labels, watch.map.stages, watch.map.stage, hook)
+        self._map, self._names, self._hook = watch.map, parameters, hook
 
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        """The strategy's own code inside a hook (its global-norm clipping) reads gradients as it must."""
-        self._paused += 1
-        try:
-            yield
-        finally:
-            self._paused -= 1
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self._paused:
-            return func(*args, **kwargs)
+    def intercept(self, func, args: tuple, kwargs: dict) -> tuple[bool, Any]:
         if getattr(func, "__self__", None) is torch._C.TensorBase.grad and func.__name__ == "__get__":
-            return self._read_grad(args[0], func(*args, **kwargs))
-        if func.__name__.startswith("_foreach_") and args and isinstance(args[0], (list, tuple)):
-            return self._foreach(func, args, kwargs)
-        inputs = [(t, self._labels[t]) for t in _tensors((args, kwargs)) if t in self._labels]
-        if not inputs:
-            return func(*args, **kwargs)
-        label = inputs[0][1]
-        for _, other in inputs[1:]:
-            label = label.join(other)
-        name = func.__name__
+            return True, self._read_grad(args[0], func(*args, **kwargs))
+        return False, None
+
+    def before(self, name: str, label: Label, inputs: list[tuple[Tensor, Label]]) -> None:
         if name in _FROM_VALUES and any(isinstance(t, DTensor) for t, _ in inputs):
             raise GradientReadError(
                 f"{self._hook}: torch.{name}() of values computed from {label.name}.grad, which is a DTensor under "
                 f"zero=3 (each rank holds a shard; its norm is a DTensor too): torch cannot read a DTensor's value "
                 f"into a new tensor (it fails with 'data is not allocated yet'), as Lightning's grad_norm does. {_FIX}"
             )
-        if name in _TO_PYTHON and label.partial:
-            self._refuse(label, f"`{name}()` makes a Python number of a tensor computed from")
-        self._refuse_combined(label, name)
-        out = func(*args, **kwargs)
-        largest = max((t.numel() for t, lab in inputs if lab.partial), default=0)
-        if any(o.numel() < largest for o in _tensors(out)):
-            self._refuse(label, f"`{name}` reduces a tensor computed from")
-        written = []  # what an in-place op or an assignment (`flat[i:j] = g`) wrote into, and its base
-        if (name.endswith("_") or name == "__setitem__") and args and isinstance(args[0], Tensor):
-            written = [args[0]] + ([args[0]._base] if args[0]._base is not None else [])
-        for o in _tensors(out) + written:
-            self._labels[o] = label if o not in self._labels else self._labels[o].join(label)
-        return out
 
     def _read_grad(self, param: Tensor, grad: Tensor | None) -> Tensor | None:
         name = self._names.get(id(param))
@@ -227,52 +175,18 @@ class GradientReads(TorchFunctionMode):
             return grad  # no gradient anywhere: None in one process too
         if self._map.tp_partial(name):
             where = GradientHere.TP_PARTIAL
-        self._labels[grad] = _Label(frozenset({name}), where, name)
+        self._labels[grad] = Label(frozenset({name}), where, name)
         return grad
 
-    def _foreach(self, func, args: tuple, kwargs: dict):
-        """``torch._foreach_*`` ops: entry i of each list argument goes with entry i of the others."""
-        lists = [a for a in args if isinstance(a, (list, tuple))]
-        shared = [t for a in args if not isinstance(a, (list, tuple)) for t in _tensors(a)] + _tensors(kwargs)
-        shared_label = None
-        for t in shared:
-            if t in self._labels:
-                shared_label = self._labels[t] if shared_label is None else shared_label.join(self._labels[t])
-        entry_labels = []
-        for i in range(len(lists[0])):
-            label = shared_label
-            largest = 0
-            for entries in lists:
-                t = entries[i] if i < len(entries) else None
-                if isinstance(t, Tensor) and t in self._labels:
-                    label = self._labels[t] if label is None else label.join(self._labels[t])
-                    if self._labels[t].partial:
-                        largest = max(largest, t.numel())
-            if label is not None:
-                self._refuse_combined(label, func.__name__)
-            entry_labels.append((label, largest))
-        out = func(*args, **kwargs)
-        if isinstance(out, (list, tuple)):
-            for o, (label, largest) in zip(out, entry_labels):
-                if label is None or not isinstance(o, Tensor):
-                    continue
-                if o.numel() < largest:
-                    self._refuse(label, f"`{func.__name__}` reduces a tensor computed from")
-                self._labels[o] = label
-        return out
+    def refuse_combined(self, label: Label, op: str) -> None:
+        raise GradientReadError(
+            f"{self._hook}: {op} combines the gradients of several parameters ({self.names_shown(label)}), but "
+            f"under pp={self._map.stages} this rank holds only stage {self._map.stage}'s parameters, so the value "
+            f"leaves out the other stages' (a total norm would be this stage's, and clipping by it would scale "
+            f"each stage differently). {_FIX}"
+        )
 
-    def _refuse_combined(self, label: _Label, op: str) -> None:
-        if self._map.stages > 1 and len(label.names) > 1:
-            shown = ", ".join(sorted(label.names)[:3]) + (", ..." if len(label.names) > 3 else "")
-            raise GradientReadError(
-                f"{self._hook}: {op} combines the gradients of several parameters ({shown}), but under "
-                f"pp={self._map.stages} this rank holds only stage {self._map.stage}'s parameters, so the value "
-                f"leaves out the other stages' (a total norm would be this stage's, and clipping by it would "
-                f"scale each stage differently). {_FIX}"
-            )
-
-    def _refuse(self, label: _Label, action: str) -> None:
-        """``action``: what the hook did, e.g. "`norm` reduces a tensor computed from"."""
+    def refuse(self, label: Label, action: str) -> None:
         held = label.where.describe(self._map.sizes)
         raise GradientReadError(
             f"{self._hook}: {action} {label.name}.grad, but on this rank {label.name}.grad holds {held}, not the "
@@ -290,18 +204,6 @@ class GradientReads(TorchFunctionMode):
             f"zero={self._map.sizes.get('zero')} the gradient averaged over the data ranks exists only as the "
             f"optimizer's slices of it, one per data rank. {_FIX}"
         )
-
-
-@contextmanager
-def unwatched() -> Iterator[None]:
-    """Inside: no watch refuses a read. For this package's own reads of gradients inside a user's
-    hook (the global-norm clipping, ``grad_norm``, the byte accounting): they know where each
-    gradient is."""
-    with ExitStack() as stack:
-        for mode in torch.overrides._get_current_function_mode_stack():
-            if isinstance(mode, GradientReads):
-                stack.enter_context(mode.paused())
-        yield
 
 
 class ManualWindow:
@@ -322,15 +224,8 @@ class ManualWindow:
 
     def close(self) -> None:
         mode, self._mode = self._mode, None
-        if mode is None or not any(m is mode for m in torch.overrides._get_current_function_mode_stack()):
-            return
-        # Modes entered after it (and not left yet) stay, in their order: each leaves from the top.
-        above = []
-        while torch.overrides._get_current_function_mode() is not mode:
-            above.append(torch.overrides._pop_mode())
-        torch.overrides._pop_mode()
-        for m in reversed(above):
-            torch.overrides._push_mode(m)
+        if mode is not None:  # modes entered after it (and not left yet) stay, in their order
+            remove_mode(mode)
 
 
 @contextmanager

@@ -44,6 +44,7 @@ from lightning_5d.parallel.frozen import refuse_finetuning_callbacks
 from lightning_5d.parallel.pipeline import PipelineMode, PipelineParallel
 from lightning_5d.parallel.step_log import shadowed
 from lightning_5d.parallel.tensor.plain import plain_tensors
+from lightning_5d.piece_reads import unwatched
 from lightning_5d.precision import FiveDPrecision
 from lightning_5d.process_exit import leave_together_at_exit, mark_failed
 from lightning_5d.strategy_args import strategy_args
@@ -279,6 +280,7 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
             module = self.lightning_module
             places = GradientPlaces(module, self._applied, precision, int(self.zero_stage))
             self._applied.watch_gradient_reads(module, trainer.callbacks, places)
+            self._applied.watch_parameter_reads(module)
 
     def _parallelize(self, module: torch.nn.Module) -> None:
         """The dimensions in their fixed order (``lightning_5d.dimensions.STEPS``), once per module."""
@@ -357,7 +359,8 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         self._applied.manual_window.close()  # the backward's own gradient reads are the strategy's
-        out = self._backward(closure_loss, optimizer, *args, **kwargs)
+        with unwatched():  # from a manual step: the backward's reads of parameters are the layout's
+            out = self._backward(closure_loss, optimizer, *args, **kwargs)
         if not self.lightning_module.automatic_optimization:
             self._applied.open_manual_window(self.lightning_module)  # the user's step clips by hand here
         return out
@@ -404,13 +407,14 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
         module = self.lightning_module
         manual = not module.automatic_optimization
         closing = shadowed(module, "training_step", self._closing_manual_window) if manual else nullcontext()
-        with self._applied.expert_step(module), closing:
+        with self._applied.expert_step(module), self._applied.watched_training_step(module), closing:
             return self._training_step(args, kwargs)
 
     @override
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
         self._applied.manual_window.close()
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        with unwatched():  # from a manual step: the optimizer's reads of parameters are the layout's
+            out = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._applied.ep is not None:
             self._applied.ep.after_optimizer_step()  # aux-loss-free bias moves once per optimizer step
         return out

@@ -15,11 +15,11 @@ from lightning_5d.gradient_reads import (
     GradientReadError,
     GradientWatch,
     ManualWindow,
-    unwatched,
     watch_hooks,
     watching,
 )
 from lightning_5d.parallel.grad_norm import norm_of_norms, per_parameter_norms
+from lightning_5d.piece_reads import unwatched
 
 
 def model_with_grads() -> nn.Module:

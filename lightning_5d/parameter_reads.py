@@ -1,0 +1,279 @@
+"""What a user's ``training_step`` computes from the parameters themselves, checked against one process.
+
+In one process every parameter is whole, and users compute with them in the step: a penalty on
+the weights added to the loss (``c * sum(p.pow(2).sum() for p in self.parameters())``, an L1 or
+an L2-SP term toward the starting weights), a norm logged for monitoring, or the loss itself
+from a layer's weight (``F.linear(hidden, self.lm_head.weight)`` for a chunked cross-entropy).
+Under the layouts a parameter outside the model's forward is often something else:
+
+* under tp a cut parameter is its shard, so a sum or mean of it is this rank's part only
+  (before: a mean-of-squares penalty on the embedding, tp2, 1.8e-3 relative parameter error
+  after 3 steps); a replicated parameter whose gradient tp sums over its ranks (sequence
+  parallelism's norm weights, per-head q/k norms) gets a term computed on every tp rank tp times
+  (a penalty on one norm weight, tp2 with SP, SGD: that weight 0.30 off after 3 steps);
+* under ep a routed-experts parameter holds only this rank's experts (a penalty over
+  ``self.parameters()``: 4.8e-2);
+* under pp the step on a stage sees only that stage's parameters (the same penalty: 7.3e-2);
+* under ZeRO-3 a parameter is a sharded DTensor, and torch refuses to add anything computed from
+  it to the plain loss ("got mixed torch.Tensor and DTensor"), inside the user's code.
+
+All silent but the last (benchmarks/RESULTS.md "training_patterns").
+
+:class:`ParameterWatch` watches the user's ``training_step``, outside the model's modules: a
+``TorchFunctionMode`` (``piece_reads.PieceReads``) that is on the mode stack only while the step's
+own code runs; each module call of the model takes it off until it returns, so the layers'
+forwards, which the dimensions cut as they must, pay nothing and are not checked. A parameter
+that is a piece here labels what is computed from it; a reduction of a piece, a value combining
+several parameters under pp, a DTensor parameter mixed with a plain tensor under ZeRO-3, and a
+gradient that tp would sum reaching the backward are refused at the first step, naming the
+parameter, what this rank holds of it and what to do instead. Element-wise work (an EMA copy,
+``p.data.clamp_``) passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+from lightning_5d.piece_reads import Label, PieceReads, remove_mode, tensors_in
+
+_FIX = (
+    "A penalty on the weights belongs in the optimizer: its weight_decay (AdamW's is decoupled; "
+    "torch.optim.SGD's or Adam's weight_decay=2*c adds exactly the gradient of c * sum(p.pow(2).sum())), which "
+    "every layout applies to whole parameters. To compute with a layer, call its module (e.g. "
+    "self.model.lm_head(hidden)) rather than reading its weight, so the layout cuts the computation as it must. "
+    "Element-wise work on parameters (an EMA copy) is fine; trainer.strategy.full_model_state() gives the whole "
+    "parameters (a collective)."
+)
+
+
+class ParameterReadError(RuntimeError):
+    """A training step computed a value from parameters that on this rank are not what one process holds."""
+
+
+class ParameterHere(Enum):
+    """What a parameter is on this rank while the user's step runs, outside the model's forward."""
+
+    WHOLE = "whole"  # the one-process parameter (under ZeRO-3 a DTensor: its ops see the whole)
+    TP_SHARD = "tp_shard"  # 1/tp of it, cut by tensor parallelism
+    EXPERT_SHARD = "expert_shard"  # this ep rank's experts of a routed-experts parameter
+    TP_SUMMED = "tp_summed"  # whole, but tp sums its gradient over its ranks (SP's norms, q/k norms)
+
+    @property
+    def piece(self) -> bool:
+        return self in (ParameterHere.TP_SHARD, ParameterHere.EXPERT_SHARD)
+
+    def describe(self, sizes: Mapping[str, int]) -> str:
+        return {
+            ParameterHere.TP_SHARD: f"its tensor-parallel shard (1/{sizes.get('tp')} of the parameter)",
+            ParameterHere.EXPERT_SHARD: f"only this ep rank's experts (1/{sizes.get('ep')} of them)",
+        }.get(self, "the whole parameter")
+
+
+@dataclass(frozen=True)
+class ParameterMap:
+    """Where each parameter is on this rank, by one-process name (the same on every step of a fit)."""
+
+    where: Mapping[str, ParameterHere]
+    sizes: Mapping[str, int]
+    stage: int = 0
+    stages: int = 1
+    dtensor_parameters: bool = False  # ZeRO-3: parameters are DTensors outside the forward
+
+    @classmethod
+    def of(cls, module: nn.Module, tp: Any, ep: Any, pp: Any, zero3: bool) -> "ParameterMap":
+        """From the dimensions applied to ``module`` (each None where absent)."""
+        summed = frozenset(tp.sequence_partial) if tp is not None else frozenset()
+
+        def where(name: str) -> ParameterHere:
+            if ep is not None and ep.ep > 1 and ep.is_expert(name):
+                return ParameterHere.EXPERT_SHARD
+            if tp is not None and tp.is_sharded(name):
+                return ParameterHere.TP_SHARD
+            return ParameterHere.TP_SUMMED if name in summed else ParameterHere.WHOLE
+
+        return cls(
+            where={name: where(name) for name, _ in module.named_parameters()},
+            sizes={"tp": tp.size if tp is not None else 1, "ep": ep.ep if ep is not None else 1},
+            stage=pp.rank if pp is not None else 0,
+            stages=pp.pp if pp is not None else 1,
+            dtensor_parameters=zero3,
+        )
+
+    @property
+    def needed(self) -> bool:
+        """Whether any read could differ from one process's (otherwise the step is not watched)."""
+        return self.stages > 1 or self.dtensor_parameters or any(w != ParameterHere.WHOLE for w in self.where.values())
+
+
+class ParameterWatch:
+    """One fit's watch on the user's ``training_step``: the parameters' labels, and hooks on every
+    module of the model that take the step's mode off torch's stack while a module runs."""
+
+    def __init__(self, root: nn.Module, parameters: ParameterMap) -> None:
+        self.map = parameters
+        self.labels: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weak: a label dies with its tensor
+        self._root = root
+        self._unlabelled: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter objects that need none
+        self.label_parameters()
+        self._calls: list[nn.Module] = []  # module calls in progress, innermost last
+        self._base = 0  # how many were in progress when the watched step started
+        self._mode: ParameterReads | None = None
+        self._hooks: list = []
+        self.add_hooks()
+
+    def add_hooks(self) -> None:
+        """The hooks that take the step's mode off the stack while a module of the model runs."""
+        self.remove()
+        for module in self._root.modules():
+            self._hooks.append(module.register_forward_pre_hook(self._module_starts, prepend=True, with_kwargs=True))
+            self._hooks.append(module.register_forward_hook(self._module_ends, always_call=True))
+
+    def label_parameters(self) -> None:
+        """Label the model's parameter objects as they are now. ZeRO-3 registers a unit's gathered
+        parameters in place of its shards while the unit is gathered (the last block stays so from
+        its forward to its backward), so a step can meet parameter objects that setup never saw."""
+        every = self.map.stages > 1 or self.map.dtensor_parameters  # pp: the names combined; ZeRO-3: mixing
+        for name, param in self._root.named_parameters():
+            where = self.map.where.get(name, ParameterHere.WHOLE)
+            if every or where != ParameterHere.WHOLE:
+                self.labels[param] = Label(frozenset({name}), where, name)
+            else:
+                self._unlabelled[param] = True
+
+    def meet(self, param: Tensor) -> None:
+        """A parameter object the step computes with: labelled now if it needs a label."""
+        if param in self.labels or param in self._unlabelled:
+            return
+        self.label_parameters()
+        if param not in self.labels:
+            self._unlabelled[param] = True  # the model's whole one, or not the model's (the user's own)
+
+    def _module_starts(self, module: nn.Module, args: Any, kwargs: dict) -> None:
+        self._calls.append(module)
+        if self._mode is None or len(self._calls) != self._base + 1:
+            return
+        remove_mode(self._mode)  # the layer's forward is the layout's: neither checked nor slowed
+        if not self._mode.is_paused:
+            # A piece handed to a module from the step (a loss module given the head's weight, as a
+            # fused linear cross-entropy takes it): what the module computes with it is not watched.
+            # (Refused after the bookkeeping: torch still runs the always-called hook below.)
+            self._mode.refuse_pieces_given(module, (args, kwargs))
+
+    def _module_ends(self, module: nn.Module, args: Any, out: Any) -> None:
+        if not self._calls or self._calls[-1] is not module:
+            return  # its start hook never ran (an earlier pre-hook raised)
+        self._calls.pop()
+        if self._mode is not None and len(self._calls) == self._base:
+            torch.overrides._push_mode(self._mode)
+
+    def step(self, method: Callable[..., Any], context: str) -> Callable[..., Any]:
+        """``method`` (the user's step) run watched."""
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if self._mode is not None:  # a step called from inside the step: already watched
+                return method(*args, **kwargs)
+            self._mode, self._base = ParameterReads(self, context), len(self._calls)
+            torch.overrides._push_mode(self._mode)
+            try:
+                return method(*args, **kwargs)
+            finally:
+                mode, self._mode = self._mode, None
+                remove_mode(mode)
+
+        run.__wrapped__ = method  # type: ignore[attr-defined]
+        return run
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+
+def _grad_getter(func) -> bool:
+    return getattr(func, "__self__", None) is torch._C.TensorBase.grad
+
+
+class ParameterReads(PieceReads):
+    """The mode of one step call: labels what is computed from the parameters and refuses what
+    would differ from one process's value."""
+
+    def __init__(self, watch: ParameterWatch, context: str) -> None:
+        super().__init__(watch.labels, watch.map.stages, watch.map.stage, context)
+        self._map, self._watch = watch.map, watch
+
+    def intercept(self, func, args: tuple, kwargs: dict) -> tuple[bool, Any]:
+        if _grad_getter(func):  # p.grad is the gradient, not the parameter (gradient_reads watches it)
+            return True, func(*args, **kwargs)
+        for t in tensors_in((args, kwargs)):
+            if isinstance(t, nn.Parameter):
+                self._watch.meet(t)
+        return False, None
+
+    def call(self, func, args: tuple, kwargs: dict, label: Label, inputs: list[tuple[Tensor, Label]]) -> Any:
+        if not any(isinstance(t, DTensor) for t, _ in inputs):
+            return func(*args, **kwargs)
+        # A plain tensor that carries gradient (the loss) with a DTensor computed from a parameter:
+        # torch runs the forward and fails in the backward ("got mixed torch.Tensor and DTensor").
+        if any(not isinstance(t, DTensor) and t.requires_grad for t in tensors_in((args, kwargs))):
+            self._refuse_mixed(func.__name__, label, "its backward fails")
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError as error:
+            if "mixed torch.Tensor and DTensor" not in str(error) and "not allocated yet" not in str(error):
+                raise
+            self._refuse_mixed(func.__name__, label, f"torch refuses it: {str(error).splitlines()[0][:120]}")
+
+    def _refuse_mixed(self, op: str, label: Label, outcome: str) -> None:
+        raise ParameterReadError(
+            f"{self._context}: `{op}` mixes a value computed from {label.name}, a DTensor under ZeRO-3 (each rank "
+            f"holds a shard of it outside the model's forward), with a plain tensor ({outcome}). {_FIX} Under "
+            f"ZeRO-3 alone, `.full_tensor()` of a DTensor value (a collective: every rank must compute it) is the "
+            f"whole value, with one process's gradient; the parameters of a unit gathered at that moment (the last "
+            f"block, after the forward) are plain and whole."
+        )
+
+    def after(self, out: Any, label: Label, inputs: list[tuple[Tensor, Label]]) -> None:
+        summed = [lab.name for t, lab in inputs if isinstance(t, nn.Parameter) and lab.where == ParameterHere.TP_SUMMED]
+        if not summed or not torch.is_grad_enabled():
+            return
+        message = (
+            f"{self._context}: a loss term computed from {summed[0]} reached the backward, but under "
+            f"tp={self._map.sizes.get('tp')} {summed[0]} is a replicated parameter whose gradient each tp rank "
+            f"computes a part of and tp then sums over its ranks (sequence parallelism's norm weights, per-head "
+            f"q/k norms), so a term every tp rank adds would count {self._map.sizes.get('tp')} times. {_FIX}"
+        )
+
+        def refuse(grad: Tensor) -> Tensor:
+            raise ParameterReadError(message)
+
+        for o in tensors_in(out):
+            if o.requires_grad:
+                o.register_hook(refuse)
+
+    def refuse_pieces_given(self, module: nn.Module, inputs: Any) -> None:
+        for t in tensors_in(inputs):
+            label = self._labels.get(t)
+            if label is not None and label.partial:
+                self.refuse(label, f"the call of {type(module).__name__} (a module) takes a tensor computed from")
+
+    def refuse(self, label: Label, action: str) -> None:
+        held = label.where.describe(self._map.sizes)
+        raise ParameterReadError(
+            f"{self._context}: {action} {label.name}, but on this rank {label.name} holds {held}, not the whole "
+            f"parameter one process holds, so each rank gets a different number from one process's (a loss term "
+            f"built from it is wrong in value, and in gradient unless it is a plain sum of per-element terms). {_FIX}"
+        )
+
+    def refuse_combined(self, label: Label, op: str) -> None:
+        raise ParameterReadError(
+            f"{self._context}: `{op}` combines several parameters ({self.names_shown(label)}), but under "
+            f"pp={self._map.stages} the step on this rank sees only stage {self._map.stage}'s parameters "
+            f"(self.parameters() lists only them), so the value leaves out the other stages'. {_FIX}"
+        )
