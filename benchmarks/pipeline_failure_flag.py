@@ -22,33 +22,32 @@ the first stage's arrival).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from lightning_5d.testing import run_distributed
+from benchmarks.common import (
+    BATCH,
+    SEQ_LEN,
+    SMALL,
+    WARMUP,
+    alternating_fit,
+    alternating_main,
+    paired,
+    write_ranks,
+)
 
-SMALL = {"vocab_size": 256, "hidden_size": 256, "intermediate_size": 768, "num_layers": 4, "num_heads": 8,
-         "num_kv_heads": 4}  # fmt: skip
-SEQ_LEN, BATCH, MICROBATCHES, WARMUP = 128, 4, 4, 3
+MICROBATCHES = 4
 
 
 def worker(args: argparse.Namespace) -> None:
-    import lightning as L
-    import torch
-    import torch.distributed as dist
-
     import lightning_5d
-    from lightning_5d.models import LlamaConfig, LlamaLM, TextDataModule
     from lightning_5d.parallel.pipeline import stages
     from lightning_5d.parallel.pipeline.failure import StepFailures
 
-    torch.set_num_threads(1)
     state = {"flag_on": True, "run_s": 0.0}
     flag_s: list[float] = []
     agree = StepFailures.agree
@@ -75,58 +74,22 @@ def worker(args: argparse.Namespace) -> None:
 
     stages.PipelineParallel.run = timed_run
 
-    class Alternate(L.Callback):
-        def __init__(self) -> None:
-            self.rows: list[dict] = []
+    def switch(trainer, on: bool) -> None:
+        state["flag_on"] = on
 
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            state["flag_on"] = batch_idx < WARMUP or batch_idx % 2 == 0
-            self.start, self.cpu = time.perf_counter(), time.process_time()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            if batch_idx >= WARMUP:
-                self.rows.append({"flag": state["flag_on"], "step_s": time.perf_counter() - self.start,
-                                  "step_cpu_s": time.process_time() - self.cpu, "run_s": state["run_s"]})  # fmt: skip
-
-    torch.manual_seed(0)
-    module = LlamaLM(LlamaConfig(**SMALL))
-    timer = Alternate()
     strategy = lightning_5d.FiveDStrategy(
         pp=2, zero=1, verify="off", pipeline={"schedule": "1f1b", "microbatches": MICROBATCHES}
     )
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_steps=WARMUP + 2 * args.pairs, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer],
-    )  # fmt: skip
-    data = TextDataModule(seq_len=SEQ_LEN, batch_size=BATCH, num_samples=BATCH * (WARMUP + 2 * args.pairs))
-    trainer.fit(module, datamodule=data)
-    mine = {"rows": timer.rows, "flag_s": flag_s[WARMUP:]}
-    ranks: list = [None] * dist.get_world_size()
-    dist.all_gather_object(ranks, mine)
-    if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps(ranks))
+    _, rows = alternating_fit(strategy, switch, args.pairs, extra=lambda: {"run_s": state["run_s"]})
+    write_ranks({"rows": rows, "flag_s": flag_s[WARMUP:]}, args.out)
 
 
 def summarize(ranks: list[dict]) -> dict:
-    """Per rank, then the slower rank's numbers (a pipeline step ends when its slowest rank does)."""
+    """Per rank (a pipeline step ends when its slowest rank does)."""
     per_rank = []
     for r in ranks:
-        on = [x for x in r["rows"] if x["flag"]]
-        off = [x for x in r["rows"] if not x["flag"]]
-        row = {
-            "steps_each": min(len(on), len(off)),
-            "step_on_s": statistics.median(x["step_s"] for x in on),
-            "step_off_s": statistics.median(x["step_s"] for x in off),
-            "cpu_on_s": statistics.median(x["step_cpu_s"] for x in on),
-            "cpu_off_s": statistics.median(x["step_cpu_s"] for x in off),
-            "run_on_s": statistics.median(x["run_s"] for x in on),
-            "run_off_s": statistics.median(x["run_s"] for x in off),
-            "flag_s": statistics.median(r["flag_s"]),
-        }
-        row["step_ratio"] = row["step_on_s"] / row["step_off_s"]
-        row["run_ratio"] = row["run_on_s"] / row["run_off_s"]
-        row["cpu_ratio"] = row["cpu_on_s"] / row["cpu_off_s"]
+        row = paired(r["rows"], ("step_s", "step_cpu_s", "run_s"))
+        row["flag_s"] = statistics.median(r["flag_s"])
         row["flag_over_step"] = row["flag_s"] / row["step_off_s"]
         per_rank.append(row)
     return {"ranks": per_rank}
@@ -152,33 +115,13 @@ def markdown(result: dict, wall_s: float) -> str:
     ]
     for i, r in enumerate(result["ranks"]):
         lines.append(f"| {i} | {r['step_ratio']:.3f} ({r['step_on_s'] * 1e3:.0f} / {r['step_off_s'] * 1e3:.0f} ms) | "
-                     f"{r['run_ratio']:.3f} | {r['cpu_ratio']:.3f} | {r['flag_s'] * 1e3:.2f} ms | "
+                     f"{r['run_ratio']:.3f} | {r['step_cpu_ratio']:.3f} | {r['flag_s'] * 1e3:.2f} ms | "
                      f"{r['flag_over_step']:.4f} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--worker", action="store_true")
-    parser.add_argument("--pairs", type=int, default=20, help="steps with the flag and as many without")
-    parser.add_argument("--out", default="")
-    args = parser.parse_args()
-    if args.worker:
-        worker(args)
-        from lightning_5d.testing import leave_process_group
-
-        leave_process_group()
-        return
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "r.json"
-        argv = ["--worker", "--pairs", str(args.pairs), "--out", str(out)]
-        launch = run_distributed(Path(__file__), 2, argv, timeout=900, env={"OMP_NUM_THREADS": "1"})
-        if launch.returncode != 0 or not out.exists():
-            raise RuntimeError(f"the worker failed:\n{launch.output[-3000:]}")
-        result = summarize(json.loads(out.read_text()))
-    print(json.dumps(result))
-    print(markdown(result, time.perf_counter() - start))
+    alternating_main(Path(__file__), worker, summarize, markdown, "with the flag")
 
 
 if __name__ == "__main__":

@@ -31,11 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.common import SMALL, as_worker
 from lightning_5d.testing import run_distributed
 
-# The reference model as the test suite and the other CPU benchmarks use it (~3.4 M parameters).
-SMALL = {"vocab_size": 256, "hidden_size": 256, "intermediate_size": 768, "num_layers": 4, "num_heads": 8,
-         "num_kv_heads": 4}  # fmt: skip
 # TinyLlama-1.1B's shape (1.1 B parameters), built on the meta device: each of the 2 ranks holds
 # its tp half (2.2 GB fp32) and SGD's gradients, ~10 GB together on this shared 24 GiB machine.
 LARGE = {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_layers": 22, "num_heads": 32,
@@ -231,10 +229,7 @@ def main() -> None:
     parser.add_argument("--save-trace", default="", help="with --trace: write every case's rows to this JSON file")
     args = parser.parse_args()
     if args.worker:
-        worker(args)
-        from lightning_5d.testing import leave_process_group
-
-        leave_process_group()
+        as_worker(worker, args)
         return
     start = time.perf_counter()
     results = run(args.only, bool(args.trace))
