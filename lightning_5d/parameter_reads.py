@@ -277,3 +277,39 @@ class ParameterReads(PieceReads):
             f"pp={self._map.stages} the step on this rank sees only stage {self._map.stage}'s parameters "
             f"(self.parameters() lists only them), so the value leaves out the other stages'. {_FIX}"
         )
+
+
+def refuse_averaging_callbacks(callbacks: list, layout: Any, zero: int) -> None:
+    """Refuse Lightning's ``WeightAveraging`` (EMA) and ``StochasticWeightAveraging`` where a rank's
+    module holds pieces of the parameters (tp, pp, ep > 1 or ZeRO-3). Called before the callbacks'
+    ``setup``, which deep-copies the whole module.
+
+    Those callbacks average a whole copy of the module, made before the strategy cuts it, parameter
+    by parameter with the module's, paired by position. Under tp2 the first update failed inside
+    torch's ``AveragedModel`` ("The size of tensor a (256) must match the size of tensor b (128)"),
+    under pp2 on the last stage ("output with shape [64] doesn't match the broadcast shape [64,
+    64]": the first stage's pairs happened to line up), under ZeRO-3 with "got mixed torch.Tensor
+    and DTensor". Under dp (ZeRO-0/1/2) and cp every parameter is whole, and they train, validate
+    and resume as one process does."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+
+    found = sorted({type(c).__name__ for c in callbacks if isinstance(c, (WeightAveraging, StochasticWeightAveraging))})
+    pieces = [
+        f"tp={layout.tp} (each rank holds shards of the cut weights)" if layout.tp > 1 else "",
+        f"pp={layout.pp} (each rank holds one stage's parameters)" if layout.pp > 1 else "",
+        f"ep={layout.ep} (each rank holds its share of the routed experts)" if layout.ep > 1 else "",
+        "zero=3 (each rank holds DTensor shards)" if zero == 3 else "",
+    ]
+    pieces = [p for p in pieces if p]
+    if not found or not pieces:
+        return
+    raise ParameterReadError(
+        f"{', '.join(found)} keeps a whole copy of the module, made before the strategy cuts it, and averages it "
+        f"with the module parameter by parameter, but under {' and '.join(pieces)} the module on a rank no longer "
+        f"holds one process's parameters: the callback would fail inside torch's AveragedModel at its first update, "
+        f"or pair the wrong parameters. It trains, validates and resumes as one process does under data and "
+        f"context parallelism (zero=0/1/2, cp), where every parameter is whole. Under this layout an average kept "
+        f"element-wise on this rank's parameters is right (e.g. in on_train_batch_end: "
+        f"ema.lerp_(p.detach(), 1 - decay) for each p in self.parameters(), then p.data.copy_(ema) at the end), "
+        f"but it is not in the checkpoints."
+    )

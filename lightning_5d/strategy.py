@@ -44,6 +44,7 @@ from lightning_5d.parallel.frozen import refuse_finetuning_callbacks
 from lightning_5d.parallel.pipeline import PipelineMode, PipelineParallel
 from lightning_5d.parallel.step_log import shadowed
 from lightning_5d.parallel.tensor.plain import plain_tensors
+from lightning_5d.parameter_reads import refuse_averaging_callbacks
 from lightning_5d.piece_reads import unwatched
 from lightning_5d.precision import FiveDPrecision
 from lightning_5d.process_exit import leave_together_at_exit, mark_failed
@@ -236,6 +237,9 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
                 )  # fmt: skip
             self.config = self.broadcast(planned)
             self._layout = self.config.resolve(world_size)
+        trainer = self.lightning_module.trainer
+        if trainer.state.fn == TrainerFn.FITTING:  # before the callbacks' setup copies the whole module
+            refuse_averaging_callbacks(trainer.callbacks, self._layout, int(self.config.zero))
         if self._mesh is None or self._mesh.layout != self._layout:
             self._mesh = ParallelMesh(self._layout, self.root_device.type)
         leave_together_at_exit()

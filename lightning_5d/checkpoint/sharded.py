@@ -237,12 +237,21 @@ def read_tensors(path: str | os.PathLike, targets: dict[str, torch.Tensor], grou
     _load(path, targets, group=group)
 
 
-def _load(path: str | os.PathLike, targets: dict[str, torch.Tensor], group: Any = None, planner: Any = None) -> None:
+def read_tensors_alone(path: str | os.PathLike, targets: dict[str, torch.Tensor]) -> None:
+    """``read_tensors`` by this process alone (no collective): for reads only some ranks may make."""
+    _load(path, targets, alone=True)
+
+
+def _load(
+    path: str | os.PathLike, targets: dict[str, torch.Tensor], group: Any = None, planner: Any = None,
+    alone: bool = False,
+) -> None:  # fmt: skip
     reader = SafeReader(str(path))
     try:
         dcp.load(
-            targets, storage_reader=reader, planner=planner, process_group=group, no_dist=not dist.is_initialized()
-        )
+            targets, storage_reader=reader, planner=planner, process_group=group,
+            no_dist=alone or not dist.is_initialized(),
+        )  # fmt: skip
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as err:  # DCP's own error is a BaseException

@@ -39,6 +39,57 @@ class StoredState:
         return f"StoredState({what} in {self.path})"
 
 
+class StoredModelState(StoredState, Mapping):
+    """The model's tensors of a sharded checkpoint, as ``checkpoint["state_dict"]`` in Lightning's
+    load hooks: a read-only mapping of the stored names to their full tensors.
+
+    A user's ``on_load_checkpoint`` (the module's or a callback's) reads it as it would a dict
+    (Lightning's ``WeightAveraging`` builds its averaged model from it; a key check, a norm).
+    Names and shapes come from the checkpoint's metadata; a tensor is read whole, on access, by
+    this rank alone (no collective: any rank may ask), one at a time. Left as it is, the strategy
+    reads each rank's pieces straight into the parameters; a hook that replaces it with a dict of
+    full tensors (renamed keys) has that dict loaded instead."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self._shapes: dict[str, tuple[torch.Size, torch.dtype]] | None = None
+
+    def _stored(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        if self._shapes is None:
+            shapes = sharded.tensor_shapes(self.path)
+            self._shapes = {k[len(sharded.MODEL) :]: v for k, v in shapes.items() if k.startswith(sharded.MODEL)}
+        return self._shapes
+
+    def __getitem__(self, name: str) -> Tensor:
+        size, dtype = self._stored()[name]
+        out = torch.empty(size, dtype=dtype)
+        sharded.read_tensors_alone(self.path, {sharded.MODEL + name: out})
+        return out
+
+    def __iter__(self):
+        return iter(self._stored())
+
+    def __len__(self) -> int:
+        return len(self._stored())
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self._refuse_change(f"checkpoint['state_dict'][{name!r}] = ...")
+
+    def __delitem__(self, name: str) -> None:
+        self._refuse_change(f"del checkpoint['state_dict'][{name!r}]")
+
+    def pop(self, name: str, *default: Any) -> Any:
+        self._refuse_change(f"checkpoint['state_dict'].pop({name!r})")
+
+    def _refuse_change(self, what: str) -> None:
+        raise CheckpointError(
+            f"{what}: the model state of the sharded checkpoint {self.path} is read from disk into each rank's "
+            f"pieces of the parameters and cannot be changed in place. Replace it instead, e.g. "
+            f"checkpoint['state_dict'] = {{new_name(k): v for k, v in checkpoint['state_dict'].items()}}: that dict "
+            f"of full tensors is then loaded (every rank reads every tensor whole for it)."
+        )
+
+
 class CheckpointReader:
     """Lightning's load hooks: the checkpoint dict (``load``), then the model's and the optimizers'
     state into this layout, and each rank's random generators when training starts.
@@ -61,7 +112,7 @@ class CheckpointReader:
             path = sharded.check_complete(path)
             meta = sharded.read_meta(path)
             groups = meta.get("optimizer_param_groups", [])
-            checkpoint = {**meta, "state_dict": StoredState(path)}
+            checkpoint = {**meta, "state_dict": StoredModelState(path)}
             if "optimizer_states" in sharded.read_layout(path).get("contains", []):
                 checkpoint["optimizer_states"] = [StoredState(path, i) for i in range(len(groups))]
             states, rank = meta.get("rng_states"), self.strategy.global_rank

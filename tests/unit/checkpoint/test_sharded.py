@@ -148,3 +148,20 @@ def test_regions_read_only_the_rank_piece_of_each_stored_tensor(tmp_path):
     rows = {"o": (flat, torch.empty(flat.local_shape))}
     sharded.read_regions(tmp_path, rows)
     assert torch.equal(rows["o"][1].reshape(-1)[start : start + 30], o.reshape(-1)[20:50])
+
+
+def test_the_stored_model_state_reads_as_a_dict_in_load_hooks(checkpoint):
+    # A user's on_load_checkpoint (or Lightning's WeightAveraging) reads checkpoint["state_dict"]
+    # as a dict; before, the stand-in had no .items() (AttributeError inside the user's hook).
+    from lightning_5d.checkpoint.strategy_reader import StoredModelState
+
+    state = StoredModelState(checkpoint)
+    assert sorted(state) == ["b", "w"] and len(state) == 2 and "w" in state and "model.w" not in state
+    torch.testing.assert_close(state["w"], torch.arange(12.0).reshape(3, 4))
+    assert state["b"].dtype == torch.bfloat16
+    renamed = {f"net.{k}": v for k, v in state.items()}  # the replacement a hook may hand back
+    torch.testing.assert_close(renamed["net.b"], torch.ones(4, dtype=torch.bfloat16))
+    for change in (lambda: state.__setitem__("w", torch.zeros(3, 4)), lambda: state.pop("w"),
+                   lambda: state.__delitem__("b")):  # fmt: skip
+        with pytest.raises(CheckpointError, match=r"Replace it instead, e.g. checkpoint\['state_dict'\] = "):
+            change()
