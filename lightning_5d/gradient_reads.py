@@ -154,7 +154,7 @@ class GradientReads(PieceReads):
             return True, self._read_grad(args[0], func(*args, **kwargs))
         return False, None
 
-    def before(self, name: str, label: Label, inputs: list[tuple[Tensor, Label]]) -> None:
+    def before(self, name: str, label: Label, inputs: list[tuple[Tensor, Label]], args: tuple, kwargs: dict) -> None:
         if name in _FROM_VALUES and any(isinstance(t, DTensor) for t, _ in inputs):
             raise GradientReadError(
                 f"{self._hook}: torch.{name}() of values computed from {label.name}.grad, which is a DTensor under "

@@ -32,13 +32,15 @@ parameter, what this rank holds of it and what to do instead. Element-wise work 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import inspect
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, Mapping
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_5d.piece_reads import Label, PieceReads, remove_mode, tensors_in
@@ -64,15 +66,21 @@ class ParameterHere(Enum):
     TP_SHARD = "tp_shard"  # 1/tp of it, cut by tensor parallelism
     EXPERT_SHARD = "expert_shard"  # this ep rank's experts of a routed-experts parameter
     TP_SUMMED = "tp_summed"  # whole, but tp sums its gradient over its ranks (SP's norms, q/k norms)
+    STAGE_BLOCK = "stage_block"  # pp: a block of the last stage, whose container the step sees re-indexed
 
     @property
     def piece(self) -> bool:
-        return self in (ParameterHere.TP_SHARD, ParameterHere.EXPERT_SHARD)
+        return self in (ParameterHere.TP_SHARD, ParameterHere.EXPERT_SHARD, ParameterHere.STAGE_BLOCK)
 
     def describe(self, sizes: Mapping[str, int]) -> str:
         return {
             ParameterHere.TP_SHARD: f"its tensor-parallel shard (1/{sizes.get('tp')} of the parameter)",
             ParameterHere.EXPERT_SHARD: f"only this ep rank's experts (1/{sizes.get('ep')} of them)",
+            ParameterHere.STAGE_BLOCK: (
+                f"one of the last stage's blocks: under pp={sizes.get('pp')} the step runs on the last stage, which "
+                f"holds only its blocks and sees them indexed from 0 (layers[0] there is another block than in one "
+                f"process)"
+            ),
         }.get(self, "the whole parameter")
 
 
@@ -85,13 +93,18 @@ class ParameterMap:
     stage: int = 0
     stages: int = 1
     dtensor_parameters: bool = False  # ZeRO-3: parameters are DTensors outside the forward
+    shard_dims: Mapping[str, int] = field(default_factory=dict)  # tp: the dimension each shard is cut along
 
     @classmethod
     def of(cls, module: nn.Module, tp: Any, ep: Any, pp: Any, zero3: bool) -> "ParameterMap":
-        """From the dimensions applied to ``module`` (each None where absent)."""
+        """From the dimensions applied to ``module`` (each None where absent), between steps (pp's
+        blocks under their global names)."""
         summed = frozenset(tp.sequence_partial) if tp is not None else frozenset()
+        blocks = f"{pp.plan.blocks}." if pp is not None else None
 
         def where(name: str) -> ParameterHere:
+            if blocks is not None and name.startswith(blocks):
+                return ParameterHere.STAGE_BLOCK
             if ep is not None and ep.ep > 1 and ep.is_expert(name):
                 return ParameterHere.EXPERT_SHARD
             if tp is not None and tp.is_sharded(name):
@@ -100,7 +113,9 @@ class ParameterMap:
 
         return cls(
             where={name: where(name) for name, _ in module.named_parameters()},
-            sizes={"tp": tp.size if tp is not None else 1, "ep": ep.ep if ep is not None else 1},
+            sizes={"tp": tp.size if tp is not None else 1, "ep": ep.ep if ep is not None else 1,
+                   "pp": pp.pp if pp is not None else 1},  # fmt: skip
+            shard_dims={name: cut.dim for name, cut in tp.shards.items()} if tp is not None else {},
             stage=pp.rank if pp is not None else 0,
             stages=pp.pp if pp is not None else 1,
             dtensor_parameters=zero3,
@@ -121,6 +136,11 @@ class ParameterWatch:
         self.labels: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weak: a label dies with its tensor
         self._root = root
         self._unlabelled: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter objects that need none
+        # Between steps: under pp the step sees the last stage's blocks re-keyed from 0; labels and
+        # messages use the model's own names.
+        self._names: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        for name, param in root.named_parameters():
+            self._names[param] = name
         self.label_parameters()
         self._calls: list[nn.Module] = []  # module calls in progress, innermost last
         self._base = 0  # how many were in progress when the watched step started
@@ -141,6 +161,7 @@ class ParameterWatch:
         its forward to its backward), so a step can meet parameter objects that setup never saw."""
         every = self.map.stages > 1 or self.map.dtensor_parameters  # pp: the names combined; ZeRO-3: mixing
         for name, param in self._root.named_parameters():
+            name = self._names.get(param, name)
             where = self.map.where.get(name, ParameterHere.WHOLE)
             if every or where != ParameterHere.WHOLE:
                 self.labels[param] = Label(frozenset({name}), where, name)
@@ -196,6 +217,25 @@ class ParameterWatch:
         self._hooks = []
 
 
+# Functions that keep the shape but combine elements along a dimension.
+_ALONG_A_DIMENSION = frozenset(
+    {"normalize", "softmax", "log_softmax", "softmin", "cumsum", "cumprod", "cummax", "cummin", "logcumsumexp",
+     "sort", "argsort", "layer_norm", "rms_norm", "group_norm", "batch_norm", "instance_norm", "local_response_norm"}
+)  # fmt: skip
+_DIM_AT = {"normalize": 2, "sort": 1, "argsort": 1}  # the positional index of ``dim`` where it is not 1
+_DIM_DEFAULT = {"normalize": 1, "sort": -1, "argsort": -1}
+_PARAMETER_WALKS = frozenset({"parameters", "named_parameters"})  # Module's generators of parameters
+
+
+def _dim_of(name: str, args: tuple, kwargs: dict) -> int | None:
+    """The dimension a function of ``_ALONG_A_DIMENSION`` combines along, where it names one."""
+    if name in ("layer_norm", "rms_norm", "group_norm", "batch_norm", "instance_norm", "local_response_norm"):
+        return None
+    at = _DIM_AT.get(name, 1)
+    dim = kwargs.get("dim", args[at] if len(args) > at else _DIM_DEFAULT.get(name))
+    return dim if isinstance(dim, int) else None
+
+
 def _grad_getter(func) -> bool:
     return getattr(func, "__self__", None) is torch._C.TensorBase.grad
 
@@ -215,6 +255,19 @@ class ParameterReads(PieceReads):
             if isinstance(t, nn.Parameter):
                 self._watch.meet(t)
         return False, None
+
+    def before(self, name: str, label: Label, inputs: list[tuple[Tensor, Label]], args: tuple, kwargs: dict) -> None:
+        if name not in _ALONG_A_DIMENSION or not label.partial:
+            return
+        # Keeps the shape but combines elements along a dimension (a softmax, a normalization, a
+        # running sum): right on a shard only along another dimension than the cut, which is known
+        # for a cut parameter itself.
+        first, first_label = inputs[0]
+        cut = self._map.shard_dims.get(first_label.name) if isinstance(first, nn.Parameter) else None
+        dim = _dim_of(name, args, kwargs)
+        if cut is not None and dim is not None and first.ndim and dim % first.ndim != cut:
+            return
+        self.refuse(label, f"`{name}` combines elements along a dimension of a tensor computed from")
 
     def call(self, func, args: tuple, kwargs: dict, label: Label, inputs: list[tuple[Tensor, Label]]) -> Any:
         if not any(isinstance(t, DTensor) for t, _ in inputs):
@@ -243,25 +296,37 @@ class ParameterReads(PieceReads):
         summed = [lab.name for t, lab in inputs if isinstance(t, nn.Parameter) and lab.where == ParameterHere.TP_SUMMED]
         if not summed or not torch.is_grad_enabled():
             return
-        message = (
-            f"{self._context}: a loss term computed from {summed[0]} reached the backward, but under "
-            f"tp={self._map.sizes.get('tp')} {summed[0]} is a replicated parameter whose gradient each tp rank "
-            f"computes a part of and tp then sums over its ranks (sequence parallelism's norm weights, per-head "
-            f"q/k norms), so a term every tp rank adds would count {self._map.sizes.get('tp')} times. {_FIX}"
-        )
 
         def refuse(grad: Tensor) -> Tensor:
-            raise ParameterReadError(message)
+            self._refuse_summed(summed[0], "a loss term computed from it reached the backward")
 
         for o in tensors_in(out):
             if o.requires_grad:
                 o.register_hook(refuse)
 
     def refuse_pieces_given(self, module: nn.Module, inputs: Any) -> None:
+        called = f"the call of {type(module).__name__} (a module) takes"
+        for value in tree_flatten(inputs)[0]:
+            if inspect.isgenerator(value) and value.gi_code.co_name in _PARAMETER_WALKS:
+                raise ParameterReadError(
+                    f"{self._context}: {called} a generator of parameters (`{value.gi_code.co_name}()`), and "
+                    f"what it computes from them is not watched, while under this layout some parameters here are "
+                    f"pieces of one process's. {_FIX}"
+                )
         for t in tensors_in(inputs):
             label = self._labels.get(t)
             if label is not None and label.partial:
-                self.refuse(label, f"the call of {type(module).__name__} (a module) takes a tensor computed from")
+                self.refuse(label, f"{called} a tensor computed from")
+            if label is not None and label.where == ParameterHere.TP_SUMMED and torch.is_grad_enabled():
+                self._refuse_summed(label.name, f"{called} {label.name} with gradients on")
+
+    def _refuse_summed(self, name: str, what: str) -> None:
+        tp = self._map.sizes.get("tp")
+        raise ParameterReadError(
+            f"{self._context}: {name}: {what}, but under tp={tp} {name} is a replicated parameter whose gradient "
+            f"each tp rank computes a part of and tp then sums over its ranks (sequence parallelism's norm weights, "
+            f"per-head q/k norms), so a term every tp rank adds would count {tp} times. {_FIX}"
+        )
 
     def refuse(self, label: Label, action: str) -> None:
         held = label.where.describe(self._map.sizes)

@@ -105,7 +105,7 @@ class PieceReads(TorchFunctionMode, ABC):
         """(True, result) for a call the watch answers itself; (False, None) otherwise."""
         return False, None
 
-    def before(self, name: str, label: Label, inputs: list[tuple[Tensor, Label]]) -> None:
+    def before(self, name: str, label: Label, inputs: list[tuple[Tensor, Label]], args: tuple, kwargs: dict) -> None:
         """Checks of a call on labelled inputs before it runs."""
 
     def call(self, func, args: tuple, kwargs: dict, label: Label, inputs: list[tuple[Tensor, Label]]) -> Any:
@@ -139,7 +139,7 @@ class PieceReads(TorchFunctionMode, ABC):
         for _, other in inputs[1:]:
             label = label.join(other)
         name = func.__name__
-        self.before(name, label, inputs)
+        self.before(name, label, inputs, args, kwargs)
         if name in TO_PYTHON and label.partial:
             self.refuse(label, f"`{name}()` makes a Python number of a tensor computed from")
         self._check_combined(label, name)

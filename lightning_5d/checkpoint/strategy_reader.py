@@ -53,6 +53,7 @@ class StoredModelState(StoredState, Mapping):
     def __init__(self, path: Path) -> None:
         super().__init__(path)
         self._shapes: dict[str, tuple[torch.Size, torch.dtype]] | None = None
+        self._handed: dict[str, tuple[Tensor, int]] = {}  # name -> (tensor handed out, its version then)
 
     def _stored(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
         if self._shapes is None:
@@ -64,6 +65,7 @@ class StoredModelState(StoredState, Mapping):
         size, dtype = self._stored()[name]
         out = torch.empty(size, dtype=dtype)
         sharded.read_tensors_alone(self.path, {sharded.MODEL + name: out})
+        self._handed[name] = (out, out._version)
         return out
 
     def __iter__(self):
@@ -71,6 +73,23 @@ class StoredModelState(StoredState, Mapping):
 
     def __len__(self) -> int:
         return len(self._stored())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._stored()  # from the metadata: nothing is read
+
+    def edited(self) -> str | None:
+        """A tensor a hook was handed and changed in place (the strategy reads the stored one)."""
+        changed = sorted(name for name, (tensor, version) in self._handed.items() if tensor._version != version)
+        if not changed:
+            return None
+        return (
+            f"a load hook changed {', '.join(changed[:8])}{' ...' if len(changed) > 8 else ''} of "
+            f"checkpoint['state_dict'] in place, "
+            f"but the model state of the sharded checkpoint {self.path} is read from disk into each rank's pieces "
+            f"of the parameters, so the change would be lost. Replace the dict instead, e.g. "
+            f"checkpoint['state_dict'] = {{k: fix(k, v) for k, v in checkpoint['state_dict'].items()}}: that dict of "
+            f"full tensors is then loaded."
+        )
 
     def __setitem__(self, name: str, value: Any) -> None:
         self._refuse_change(f"checkpoint['state_dict'][{name!r}] = ...")
@@ -80,6 +99,18 @@ class StoredModelState(StoredState, Mapping):
 
     def pop(self, name: str, *default: Any) -> Any:
         self._refuse_change(f"checkpoint['state_dict'].pop({name!r})")
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        self._refuse_change("checkpoint['state_dict'].update(...)")
+
+    def setdefault(self, name: str, default: Any = None) -> Any:
+        self._refuse_change(f"checkpoint['state_dict'].setdefault({name!r}, ...)")
+
+    def clear(self) -> None:
+        self._refuse_change("checkpoint['state_dict'].clear()")
+
+    def popitem(self) -> Any:
+        self._refuse_change("checkpoint['state_dict'].popitem()")
 
     def _refuse_change(self, what: str) -> None:
         raise CheckpointError(
@@ -141,7 +172,8 @@ class CheckpointReader:
         s = self.strategy
         state = checkpoint["state_dict"]
         if isinstance(state, StoredState):
-            self._read_model(state.path, strict)  # each tensor's piece straight into its parameter
+            edited = state.edited() if isinstance(state, StoredModelState) else None
+            self._read_model(state.path, strict, edited)  # each tensor's piece straight into its parameter
         else:  # a full-format file: its tensors are already in memory
             for split in self.splits:  # full tensors: this rank keeps its own pieces
                 state = split.local_state(state)
@@ -157,7 +189,7 @@ class CheckpointReader:
         if s._five_d_precision is not None:
             s._five_d_precision.refresh_masters()
 
-    def _read_model(self, path: Path, strict: bool) -> None:
+    def _read_model(self, path: Path, strict: bool, edited: str | None = None) -> None:
         """Every parameter and buffer of this rank reads its own region of the stored full-shape
         tensor: the tp / ep cuts narrowed to its FSDP2 shard (``lightning_5d.parallel.regions``).
         DCP reads the stored chunks those regions overlap, one at a time, into the live tensors:
@@ -169,7 +201,7 @@ class CheckpointReader:
         wanted = list(s.lightning_module.state_dict())
         problem = self._key_report(wanted, stored, path) if strict else None
         # Every rank learns of any rank's problem before the read, a collective all must enter.
-        problem = first_problem(problem or self._shape_report(wanted, stored, path))
+        problem = first_problem(edited or problem or self._shape_report(wanted, stored, path))
         if problem:
             raise CheckpointError(problem)
         live = s.lightning_module.state_dict(keep_vars=True)

@@ -3,7 +3,8 @@
 Before, a term computed from the parameters and added to the loss trained without a word under
 tp2 (a mean-of-squares penalty on the embedding shard: 1.8e-3 relative parameter error after 3
 steps), tp2 with SP (a penalty on a norm weight whose gradient tp sums: that weight 0.30 off with
-SGD), ep2 (a penalty over self.parameters(): 4.8e-2) and pp2 (7.3e-2), and crashed inside
+SGD), ep2 (a penalty over self.parameters(): 4.8e-2) and pp2 (7.3e-2; a penalty on layers[0],
+which the last stage sees as its own first block: 0.17), and crashed inside
 torch's backward under ZeRO-3 ("got mixed torch.Tensor and DTensor"). Now each is refused at the
 first step with what to do instead (lightning_5d.parameter_reads); the same step where every
 parameter it reads is whole here (cp, ZeRO-2, one parameter on its pp stage, a replicated
@@ -26,7 +27,10 @@ REFUSED = {  # name: (case, words the message must hold)
     "tp2+SP: a penalty on a norm weight tp sums": ({"layout": {**TP2, "sequence_parallel": True},
                                                     "term": "block_norm_l2", "optimizer": "sgd"},
                                                    ["model.layers.0.attention_norm.weight", "count 2 times"]),
-    "pp2: an L2 penalty over self.parameters()": ({"layout": PP2, "term": "l2"}, ["under pp=2", "stage 1"]),
+    "pp2: an L2 penalty over self.parameters()": ({"layout": PP2, "term": "l2"}, ["last stage's blocks"]),
+    # The last stage sees its blocks re-keyed from 0: layers[0] there is block 1 (before: 0.17 off, silently).
+    "pp2: a penalty on layers[0]'s norm weight": ({"layout": PP2, "term": "block_norm_l2", "optimizer": "sgd"},
+                                                  ["model.layers.1.attention_norm.weight", "indexed from 0"]),
     "dp2 zero=3: an L2 penalty over self.parameters()": ({"layout": {"zero": 3}, "term": "l2"},
                                                          ["a DTensor under ZeRO-3"]),
     "MoE ep2: an L2 penalty over self.parameters()": ({"layout": {"ep": 2}, "term": "l2", "model": "tiny_moe"},

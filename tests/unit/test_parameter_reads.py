@@ -29,7 +29,7 @@ class Tiny(nn.Module):
 
 def watch_of(model: nn.Module, where: dict | None = None, **options) -> ParameterWatch:
     places = {n: (where or {}).get(n, ParameterHere.WHOLE) for n, _ in model.named_parameters()}
-    return ParameterWatch(model, ParameterMap(where=places, sizes={"tp": 2, "ep": 1}, **options))
+    return ParameterWatch(model, ParameterMap(where=places, sizes={"tp": 2, "ep": 1, "pp": 2}, **options))
 
 
 def loss_of(model: nn.Module) -> torch.Tensor:
@@ -159,3 +159,59 @@ def test_the_map_says_what_needs_watching():
     assert ParameterMap(where=whole.where, sizes={}, dtensor_parameters=True).needed
     assert ParameterMap(where={**whole.where, "norm.weight": ParameterHere.TP_SUMMED}, sizes={}).needed
     assert not ParameterHere.TP_SUMMED.piece and ParameterHere.TP_SHARD.piece and ParameterHere.EXPERT_SHARD.piece
+
+
+def test_under_pp_a_block_of_the_last_stage_is_a_piece():
+    # The step runs on the last stage, which sees its blocks re-keyed from 0: a penalty on
+    # layers[0] there trained another block (1.8e-2 off one process), silently.
+    model = Tiny()
+    watch = watch_of(model, {"norm.weight": ParameterHere.STAGE_BLOCK}, stage=1, stages=2)
+    with pytest.raises(ParameterReadError, match=r"`sum` reduces .* norm.weight .* last stage's blocks"):
+        run_step(watch, lambda: loss_of(model) + model.norm.weight.pow(2).sum())
+    with torch.no_grad():  # element-wise (an EMA of it) is right on any block
+        run_step(watch, lambda: model.norm.weight.detach().clone().mul_(0.9).add_(model.norm.weight, alpha=0.1))
+    run_step(watch, lambda: loss_of(model) + model.head.weight.pow(2).sum())  # a part only this stage holds
+
+
+def test_parameters_handed_to_a_module_as_a_generator_or_with_a_gradient_tp_sums():
+    model = Tiny()
+    model.loss_fn = Penalty()
+    watch = watch_of(model, {"head.weight": ParameterHere.TP_SHARD, "norm.weight": ParameterHere.TP_SUMMED})
+    with pytest.raises(ParameterReadError, match=r"a generator of parameters \(`parameters\(\)`\)"):
+        run_step(watch, lambda: model.loss_fn(model.parameters()))
+    with pytest.raises(ParameterReadError, match=r"norm.weight: the call of Penalty .* count 2 times"):
+        run_step(watch, lambda: model.loss_fn([model.norm.weight]))
+    with torch.no_grad():
+        run_step(watch, lambda: model.loss_fn([model.norm.weight]))  # its value is whole
+    assert torch.overrides._get_current_function_mode_stack() == [] and watch._calls == []
+
+
+class Penalty(nn.Module):
+    def forward(self, params):
+        return sum(p.pow(2).sum() for p in params)
+
+
+def test_a_function_combining_along_a_dimension_of_a_shard_is_refused():
+    model = Tiny()
+    watch = watch_of(model, {"embed.weight": ParameterHere.TP_SHARD}, shard_dims={"embed.weight": 0})
+    for combine in (lambda w: F.normalize(w, dim=0), lambda w: torch.softmax(w, 0), lambda w: w.cumsum(0),
+                    lambda w: F.layer_norm(w, (8,)), lambda w: F.normalize(w.t(), dim=1)):  # fmt: skip
+        with pytest.raises(ParameterReadError, match="combines elements along a dimension"):
+            run_step(watch, lambda: combine(model.embed.weight))
+    # Along the other dimension than the cut (each row is whole here), on the parameter itself: right.
+    run_step(watch, lambda: F.normalize(model.embed.weight, dim=-1))
+    run_step(watch, lambda: torch.softmax(model.embed.weight, dim=1))
+
+
+def test_the_map_of_the_applied_dimensions():
+    from types import SimpleNamespace
+
+    model = Tiny()
+    tp = SimpleNamespace(sequence_partial={"norm.weight"}, size=2, shards={"head.weight": SimpleNamespace(dim=0)},
+                         is_sharded=lambda name: name == "head.weight")  # fmt: skip
+    pp = SimpleNamespace(plan=SimpleNamespace(blocks="embed"), pp=2, rank=1)
+    places = ParameterMap.of(model, tp, None, pp, zero3=False)
+    assert places.where == {"embed.weight": ParameterHere.STAGE_BLOCK, "norm.weight": ParameterHere.TP_SUMMED,
+                            "norm.bias": ParameterHere.WHOLE, "head.weight": ParameterHere.TP_SHARD}  # fmt: skip
+    assert places.shard_dims == {"head.weight": 0} and places.sizes == {"tp": 2, "ep": 1, "pp": 2}
+    assert (places.stage, places.stages) == (1, 2)

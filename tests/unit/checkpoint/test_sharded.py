@@ -162,6 +162,17 @@ def test_the_stored_model_state_reads_as_a_dict_in_load_hooks(checkpoint):
     renamed = {f"net.{k}": v for k, v in state.items()}  # the replacement a hook may hand back
     torch.testing.assert_close(renamed["net.b"], torch.ones(4, dtype=torch.bfloat16))
     for change in (lambda: state.__setitem__("w", torch.zeros(3, 4)), lambda: state.pop("w"),
-                   lambda: state.__delitem__("b")):  # fmt: skip
+                   lambda: state.__delitem__("b"), lambda: state.update(w=1), lambda: state.setdefault("x")):  # fmt: skip
         with pytest.raises(CheckpointError, match=r"Replace it instead, e.g. checkpoint\['state_dict'\] = "):
             change()
+    assert state.edited() is None  # read, not changed
+    state["w"].mul_(0)  # an in-place change would be lost: the load refuses it
+    assert "changed w of checkpoint['state_dict'] in place" in state.edited()
+
+
+def test_a_key_check_reads_no_tensor(checkpoint, monkeypatch):
+    from lightning_5d.checkpoint.strategy_reader import StoredModelState
+
+    monkeypatch.setattr(sharded, "read_tensors_alone", lambda *a: pytest.fail("a key check read a tensor"))
+    state = StoredModelState(checkpoint)
+    assert "w" in state and "z" not in state and set(state.keys()) == {"w", "b"}
