@@ -110,6 +110,19 @@ class _Placeholder(nn.Module):
             )
         return self._runtime.placeholder_activation(self.name)
 
+    def __getattr__(self, attribute: str) -> Any:
+        try:
+            return super().__getattr__(attribute)
+        except AttributeError:
+            # An AttributeError still (hasattr() must stay False), saying why: a step reading the
+            # embedding's weight on the last stage, where only a stand-in is.
+            raise AttributeError(
+                f"{self.name}.{attribute}: {self.name} is on another pipeline stage than this rank's (under pp each "
+                f"rank holds its stages' blocks and parts; here {self.name} is a stand-in with no parameters). "
+                f"Compute with it inside the model's forward, or put a penalty on its weights in the optimizer's "
+                f"weight_decay."
+            ) from None
+
 
 class _StageModule(nn.Module):
     """What torch's PipelineStage runs: the stage's own parameters, and a forward that drives the user's step."""

@@ -45,3 +45,14 @@ def test_tied_embeddings_under_a_v_schedule_are_refused_with_a_schedule_that_wor
             check_tied_schedule(tied, schedule, plan)
     check_tied_schedule(tied, PipelineSchedule.INTERLEAVED_1F1B, plan)  # the advice: tested in test_pipeline.py
     check_tied_schedule([], PipelineSchedule.ZBV, plan)
+
+
+def test_a_part_on_another_stage_says_so_when_its_weight_is_read():
+    # A step reading the embedding's weight on the last stage met a bare "'_Placeholder' object has
+    # no attribute 'weight'"; it stays an AttributeError (hasattr() is False) that says why.
+    from lightning_5d.parallel.pipeline.stages import _Placeholder
+
+    stand_in = _Placeholder("model.embed_tokens", runtime=None, produces_activation=True)
+    assert not hasattr(stand_in, "weight") and stand_in.name == "model.embed_tokens"
+    with pytest.raises(AttributeError, match=r"model.embed_tokens.weight: model.embed_tokens is on another pipeline"):
+        stand_in.weight
