@@ -12,12 +12,10 @@ alone), a replacement dict is loaded instead, and the averaging callbacks are re
 their setup where a rank's module holds pieces (lightning_5d.parameter_reads).
 """
 
-import json
 
 import pytest
-import torch
 
-from tests_support import SCRIPTS, parameter_vector_error, run_distributed
+from tests_support import cases_through, parameter_vector_error
 
 TP2, PP2 = {"tp": 2}, {"pp": 2, "pipeline": {"microbatches": 2}}
 SAME = {  # name: (case, the one-process case it must match)
@@ -41,10 +39,7 @@ ONE_PROCESS = {
 
 def run_cases(tmp_path, cases: dict, nproc: int) -> dict:
     cases = {name: {**case, "root": str(tmp_path / f"{nproc}-{i}")} for i, (name, case) in enumerate(cases.items())}
-    out = tmp_path / f"results{nproc}.pt"
-    args = ["--cases", json.dumps(list(cases.values())), "--out", str(out)]
-    run_distributed(SCRIPTS / "checkpoint_hooks.py", nproc, args, timeout=360).check()
-    return dict(zip(cases, torch.load(out, weights_only=False)))
+    return cases_through("checkpoint_hooks.py", tmp_path, cases, nproc, timeout=360)
 
 
 @pytest.mark.distributed

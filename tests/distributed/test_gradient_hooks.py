@@ -16,13 +16,11 @@ rank, and element-wise work (clipping by value) and Trainer's clipping run uncha
 one process (gradient_hooks.py).
 """
 
-import json
 import math
 
 import pytest
-import torch
 
-from tests_support import SCRIPTS, parameter_vector_error, run_distributed
+from tests_support import cases_through, parameter_vector_error
 
 TP2, PP2 = {"tp": 2}, {"pp": 2, "pipeline": {"microbatches": 2}}
 TP2_SP = {"tp": 2, "sequence_parallel": True}
@@ -104,10 +102,7 @@ REFERENCE = {"value_clip": "value clip b2", "trainer_clip": "trainer clip b2", "
 
 
 def run_cases(tmp_path, cases: dict, nproc: int) -> dict:
-    out = tmp_path / f"results{nproc}.pt"
-    args = ["--cases", json.dumps(list(cases.values())), "--out", str(out)]
-    run_distributed(SCRIPTS / "gradient_hooks.py", nproc, args, timeout=240).check()
-    return dict(zip(cases, torch.load(out, weights_only=False)))
+    return cases_through("gradient_hooks.py", tmp_path, cases, nproc, timeout=240)
 
 
 @pytest.fixture(scope="module")

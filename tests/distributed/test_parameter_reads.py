@@ -12,12 +12,10 @@ parameter under tp, ZeRO-3's DTensor value made whole by ``.full_tensor()``) and
 (an EMA) train as one process does.
 """
 
-import json
 
 import pytest
-import torch
 
-from tests_support import SCRIPTS, parameter_vector_error, run_distributed
+from tests_support import cases_through, parameter_vector_error
 
 TP2, PP2 = {"tp": 2}, {"pp": 2, "pipeline": {"microbatches": 2}}
 REFUSED = {  # name: (case, words the message must hold)
@@ -56,10 +54,7 @@ ONE_PROCESS = {
 
 
 def run_cases(tmp_path, cases: dict, nproc: int) -> dict:
-    out = tmp_path / f"results{nproc}.pt"
-    args = ["--cases", json.dumps(list(cases.values())), "--out", str(out)]
-    run_distributed(SCRIPTS / "parameter_reads.py", nproc, args, timeout=300).check()
-    return dict(zip(cases, torch.load(out, weights_only=False)))
+    return cases_through("parameter_reads.py", tmp_path, cases, nproc)
 
 
 @pytest.mark.distributed

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.utils.data import default_collate
 
 from step_edges import build, top32_hits
-from tests_support import SCRIPTS, make_datamodule, run_distributed
+from tests_support import SCRIPTS, cases_through, make_datamodule, run_distributed
 
 TWO_RANKS = {  # name: case (one data rank each: every rank sees the same samples)
     "reference tp2": {"model": "tiny", "layout": {"tp": 2}},
@@ -82,10 +82,7 @@ def one_process(name: str) -> dict:
 
 
 def run_cases(tmp_path, cases: dict, nproc: int, timeout: float) -> dict:
-    out = tmp_path / "results.pt"
-    run_distributed(SCRIPTS / "step_edges.py", nproc, ["--cases", json.dumps(list(cases.values())), "--out", str(out)],
-                    timeout=timeout).check()  # fmt: skip
-    return dict(zip(cases, torch.load(out, weights_only=False)))
+    return cases_through("step_edges.py", tmp_path, cases, nproc, timeout=timeout)
 
 
 def check_case(name: str, case: dict, result: dict) -> None:

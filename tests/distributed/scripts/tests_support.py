@@ -275,6 +275,15 @@ class RecordReturned(L.Callback):
         self.losses.append(outputs["loss"].detach().clone().float())
 
 
+def cases_through(script: str, tmp_path, cases: dict, nproc: int, timeout: float = 300.0) -> dict:
+    """Each case of ``cases`` (name -> case) through ``script``'s :func:`run_cases_and_leave` in
+    ``nproc`` processes: name -> what rank 0 saved for it."""
+    out = tmp_path / f"results-{Path(script).stem}-{nproc}.pt"
+    args = ["--cases", json.dumps(list(cases.values())), "--out", str(out)]
+    run_distributed(SCRIPTS / script, nproc, args, timeout=timeout).check()
+    return dict(zip(cases, torch.load(out, weights_only=False)))
+
+
 def run_cases_and_leave(run) -> None:
     """A case script's main (``--cases JSON --out FILE``): each case through ``run`` in these
     processes, rank 0 saves the list of results to FILE, then every rank leaves the group."""
