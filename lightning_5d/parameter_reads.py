@@ -13,9 +13,11 @@ Under the layouts a parameter outside the model's forward is often something els
   (a penalty on one norm weight, tp2 with SP, SGD: that weight 0.30 off after 3 steps);
 * under ep a routed-experts parameter holds only this rank's experts (a penalty over
   ``self.parameters()``: 4.8e-2);
-* under pp the step on a stage sees only that stage's parameters (the same penalty: 7.3e-2);
-* under ZeRO-3 a parameter is a sharded DTensor, and torch refuses to add anything computed from
-  it to the plain loss ("got mixed torch.Tensor and DTensor"), inside the user's code.
+* under pp the step runs on the last stage, which holds only its parameters (the same penalty:
+  7.3e-2) and sees its blocks re-keyed from 0 (a penalty on ``layers[0]`` trained another block:
+  0.17 with SGD);
+* under ZeRO-3 a parameter is a sharded DTensor, and torch's backward fails on anything computed
+  from it and added to the plain loss ("got mixed torch.Tensor and DTensor").
 
 All silent but the last (benchmarks/RESULTS.md "training_patterns").
 
@@ -23,11 +25,12 @@ All silent but the last (benchmarks/RESULTS.md "training_patterns").
 ``TorchFunctionMode`` (``piece_reads.PieceReads``) that is on the mode stack only while the step's
 own code runs; each module call of the model takes it off until it returns, so the layers'
 forwards, which the dimensions cut as they must, pay nothing and are not checked. A parameter
-that is a piece here labels what is computed from it; a reduction of a piece, a value combining
-several parameters under pp, a DTensor parameter mixed with a plain tensor under ZeRO-3, and a
-gradient that tp would sum reaching the backward are refused at the first step, naming the
-parameter, what this rank holds of it and what to do instead. Element-wise work (an EMA copy,
-``p.data.clamp_``) passes.
+that is a piece here (a tp or expert shard, a block of the last pp stage) labels what is computed
+from it; a reduction of a piece, a function combining elements along a dimension of one, a value
+combining several parameters under pp, a DTensor parameter mixed with the plain loss under
+ZeRO-3, a term on a parameter whose gradient tp sums reaching the backward, and a piece handed to
+a module from the step are refused at the first step, naming the parameter, what this rank holds
+of it and what to do instead. Element-wise work (an EMA copy, ``p.data.clamp_``) passes.
 """
 
 from __future__ import annotations
