@@ -329,9 +329,7 @@ class AppliedDimensions:
     def watch_parameter_reads(self, module: nn.Module) -> None:
         """The user's ``training_step`` runs watched for values computed from parameters that would
         differ from one process's (``parameter_reads``), when any can differ under this layout."""
-        if self._parameter_watch is not None:
-            self._parameter_watch.remove()
-            self._parameter_watch = None
+        self._drop_parameter_watch()
         parameters = ParameterMap.of(module, self.tp, self.ep, self.pp, zero3=bool(self.fsdp_units))
         if parameters.needed:
             self._parameter_watch = ParameterWatch(module, parameters)
@@ -351,8 +349,11 @@ class AppliedDimensions:
         if self._unwatch_hooks is not None:
             self._unwatch_hooks()
             self._unwatch_hooks = None
+        self._drop_parameter_watch()
+
+    def _drop_parameter_watch(self) -> None:
         if self._parameter_watch is not None:
-            self._parameter_watch.remove()
+            self._parameter_watch.remove()  # its hooks on every module
             self._parameter_watch = None
 
     def grad_norms(self, module: nn.Module, norm_type: float, device: torch.device) -> dict:

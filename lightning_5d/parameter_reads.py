@@ -254,10 +254,12 @@ class ParameterReads(PieceReads):
     def intercept(self, func, args: tuple, kwargs: dict) -> tuple[bool, Any]:
         if _grad_getter(func):  # p.grad is the gradient, not the parameter (gradient_reads watches it)
             return True, func(*args, **kwargs)
-        for t in tensors_in((args, kwargs)):
+        return False, None
+
+    def meet(self, tensors: list[Tensor]) -> None:
+        for t in tensors:
             if isinstance(t, nn.Parameter):
                 self._watch.meet(t)
-        return False, None
 
     def before(self, name: str, label: Label, inputs: list[tuple[Tensor, Label]], args: tuple, kwargs: dict) -> None:
         if name not in _ALONG_A_DIMENSION or not label.partial:

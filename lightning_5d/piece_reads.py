@@ -105,6 +105,9 @@ class PieceReads(TorchFunctionMode, ABC):
         """(True, result) for a call the watch answers itself; (False, None) otherwise."""
         return False, None
 
+    def meet(self, tensors: list[Tensor]) -> None:
+        """The tensors a call takes, before their labels are looked up (a watch may label new ones)."""
+
     def before(self, name: str, label: Label, inputs: list[tuple[Tensor, Label]], args: tuple, kwargs: dict) -> None:
         """Checks of a call on labelled inputs before it runs."""
 
@@ -132,7 +135,9 @@ class PieceReads(TorchFunctionMode, ABC):
             return result
         if func.__name__.startswith("_foreach_") and args and isinstance(args[0], (list, tuple)):
             return self._foreach(func, args, kwargs)
-        inputs = [(t, self._labels[t]) for t in tensors_in((args, kwargs)) if t in self._labels]
+        tensors = tensors_in((args, kwargs))
+        self.meet(tensors)
+        inputs = [(t, self._labels[t]) for t in tensors if t in self._labels]
         if not inputs:
             return func(*args, **kwargs)
         label = inputs[0][1]
