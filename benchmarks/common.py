@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import re
 import statistics
 import tempfile
@@ -183,3 +185,22 @@ def paired(rows: list[dict], keys: Sequence[str] = ("step_s", "step_cpu_s")) -> 
         out[f"{name}_off_s"] = statistics.median(x[key] for x in off)
         out[f"{name}_ratio"] = out[f"{name}_on_s"] / out[f"{name}_off_s"]
     return out
+
+
+def alternating_head(name: str, wall_s: float) -> list[str]:
+    """The first lines of an alternating benchmark's RESULTS.md section: its command and where it ran."""
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return [
+        f"## {name}",
+        "",
+        f"- command: `python -m benchmarks.{name}`",
+        f"- machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        f"- date: {time.strftime('%Y-%m-%d')}; wall time {wall_s:.0f} s; load average at the end: {load}",
+        "",
+    ]
+
+
+def ratio_cell(ranks_row: dict, key: str = "step") -> str:
+    """``paired``'s ratio for ``key`` with its two medians: "1.004 (40 / 39 ms)"."""
+    on, off = ranks_row[f"{key}_on_s"] * 1e3, ranks_row[f"{key}_off_s"] * 1e3
+    return f"{ranks_row[f'{key}_ratio']:.3f} ({on:.0f} / {off:.0f} ms)"

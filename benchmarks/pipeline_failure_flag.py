@@ -22,8 +22,6 @@ the first stage's arrival).
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import sys
 import time
@@ -35,8 +33,10 @@ from benchmarks.common import (
     SMALL,
     WARMUP,
     alternating_fit,
+    alternating_head,
     alternating_main,
     paired,
+    ratio_cell,
     write_ranks,
 )
 
@@ -96,14 +96,8 @@ def summarize(ranks: list[dict]) -> dict:
 
 
 def markdown(result: dict, wall_s: float) -> str:
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     lines = [
-        "## pipeline_failure_flag",
-        "",
-        "- command: `python -m benchmarks.pipeline_failure_flag`",
-        f"- machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-        f"- date: {time.strftime('%Y-%m-%d')}; wall time {wall_s:.0f} s; load average at the end: {load}",
-        "",
+        *alternating_head("pipeline_failure_flag", wall_s),
         f"The training failure flag of the pipeline (`parallel/pipeline/failure.py`: one all-reduce of one "
         f"integer over the world per pipeline run) against the same steps without it, alternating in one fit: "
         f"pp=2, 1F1B, m={MICROBATCHES}, the reference model ({SMALL}), batch {BATCH} x {SEQ_LEN} tokens, 2 CPU "
@@ -114,7 +108,7 @@ def markdown(result: dict, wall_s: float) -> str:
         "|---|---:|---:|---:|---:|---:|",
     ]
     for i, r in enumerate(result["ranks"]):
-        lines.append(f"| {i} | {r['step_ratio']:.3f} ({r['step_on_s'] * 1e3:.0f} / {r['step_off_s'] * 1e3:.0f} ms) | "
+        lines.append(f"| {i} | {ratio_cell(r)} | "
                      f"{r['run_ratio']:.3f} | {r['step_cpu_ratio']:.3f} | {r['flag_s'] * 1e3:.2f} ms | "
                      f"{r['flag_over_step']:.4f} |")  # fmt: skip
     return "\n".join(lines) + "\n"

@@ -15,14 +15,21 @@ wall time and this process's CPU time, so a shared machine's load hits both alik
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import sys
-import time
 from contextlib import nullcontext
 from pathlib import Path
 
-from benchmarks.common import BATCH, SEQ_LEN, SMALL, alternating_fit, alternating_main, paired, write_ranks
+from benchmarks.common import (
+    BATCH,
+    SEQ_LEN,
+    SMALL,
+    alternating_fit,
+    alternating_head,
+    alternating_main,
+    paired,
+    ratio_cell,
+    write_ranks,
+)
 
 def worker(args: argparse.Namespace) -> None:
     import lightning_5d
@@ -53,15 +60,9 @@ def summarize(ranks: list[dict]) -> dict:
 
 
 def markdown(result: dict, wall_s: float) -> str:
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     first = result["ranks"][0]
     lines = [
-        "## step_watch_cost",
-        "",
-        "- command: `python -m benchmarks.step_watch_cost`",
-        f"- machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-        f"- date: {time.strftime('%Y-%m-%d')}; wall time {wall_s:.0f} s; load average at the end: {load}",
-        "",
+        *alternating_head("step_watch_cost", wall_s),
         f"The watch on the user's `training_step` (`lightning_5d/parameter_reads.py`: a `TorchFunctionMode` "
         f"on the stack while the step's own code runs, {first['hooks']} forward hooks on the model's "
         f"{first['modules']} modules) against the same steps without it, alternating in one fit: tp=2 with SP, "
@@ -72,8 +73,7 @@ def markdown(result: dict, wall_s: float) -> str:
         "|---|---:|---:|",
     ]
     for i, r in enumerate(result["ranks"]):
-        lines.append(f"| {i} | {r['step_ratio']:.3f} ({r['step_on_s'] * 1e3:.0f} / {r['step_off_s'] * 1e3:.0f} ms) | "
-                     f"{r['step_cpu_ratio']:.3f} ({r['step_cpu_on_s'] * 1e3:.0f} / {r['step_cpu_off_s'] * 1e3:.0f} ms) |")  # fmt: skip
+        lines.append(f"| {i} | {ratio_cell(r)} | {ratio_cell(r, 'step_cpu')} |")
     return "\n".join(lines) + "\n"
 
 

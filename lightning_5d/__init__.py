@@ -17,6 +17,7 @@ from lightning_5d.config import (
 from lightning_5d.fp8.recipes import Fp8Backend, Fp8Recipe
 from lightning_5d.grad_norms import grad_norm
 from lightning_5d.gradient_reads import GradientReadError
+from lightning_5d.parallel.token_mean import TokenMeanError
 from lightning_5d.parameter_reads import ParameterReadError
 from lightning_5d.precision import FiveDPrecision, PrecisionError
 from lightning_5d.requeue import AutoRequeue
@@ -38,6 +39,7 @@ __all__ = [
     "ParallelConfig",
     "ParameterReadError",
     "PrecisionError",
+    "TokenMeanError",
     "ZeroStage",
     "__version__",
     "grad_norm",

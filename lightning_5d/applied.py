@@ -38,6 +38,7 @@ from lightning_5d.parallel.step_log import shadowed
 from lightning_5d.parallel.tensor import TensorParallel
 from lightning_5d.parallel.tensor.plain import plain_logged_values, plain_metric_updates, plain_tensors
 from lightning_5d.parallel.tensor.vocab import loss_parallel_region
+from lightning_5d.parallel.token_mean import LossGroups, MicrobatchWeights, TokenMean
 from lightning_5d.parameter_reads import ParameterMap, ParameterWatch
 from lightning_5d.piece_reads import unwatched
 from lightning_5d.precision import FiveDPrecision
@@ -85,6 +86,7 @@ class AppliedDimensions:
     manual_window: ManualWindow = field(default_factory=ManualWindow)
     _parameter_watch: ParameterWatch | None = None  # this fit's watch on the user's training_step
     _all_names: list[str] | None = None  # every rank's parameter names, one order (grad_norms)
+    loss_groups: LossGroups | None = None  # the ranks holding parts of one batch (parallel/token_mean.py)
 
     # ------------------------------------------------------------------ re-entry
     def already_applied(self, module: nn.Module) -> bool:
@@ -146,15 +148,36 @@ class AppliedDimensions:
 
     # ------------------------------------------------------------------ step
     @contextmanager
-    def step_region(self, module: nn.Module) -> Iterator[None]:
+    def step_region(self, module: nn.Module, mode: PipelineMode) -> Iterator[None]:
         with ExitStack() as stack:
             if self.tp is not None:  # the user's F.cross_entropy on vocab-sharded logits
                 stack.enter_context(loss_parallel_region())
-            if self.cp is not None:  # inside TP's: sees F.cross_entropy first, makes it sequence-global
+            if self.cp is not None:
                 stack.enter_context(self.cp.step_region(module))
+            token_mean = self._token_mean(mode)
+            if token_mean is not None:  # innermost: sees F.cross_entropy first, tp's answers its sum
+                stack.enter_context(token_mean)
             yield
 
-    def run_step(self, module: nn.Module, step: Callable[..., Any], args: tuple, kwargs: dict, keep_shard: bool) -> Any:
+    def _token_mean(self, mode: PipelineMode) -> TokenMean | None:
+        """The step's cross-entropy as the mean over the batch's tokens (parallel/token_mean.py): over the
+        data and cp ranks in training, over cp in evaluation (Lightning's sync_dist combines data ranks),
+        and over the pipeline's microbatches; None where the step holds the whole batch."""
+        if self.loss_groups is None:
+            return None
+        group, size = self.loss_groups.train if mode == PipelineMode.TRAIN else self.loss_groups.eval
+        weights = None
+        if self.pp is not None:
+            weights = MicrobatchWeights(self.pp.running_microbatch, shifted=self.cp is None)
+        if size == 1 and weights is None:
+            return None
+        mark = self.cp.mark_global if self.cp is not None else None
+        return TokenMean(group, size, mark=mark, microbatches=weights)
+
+    def run_step(
+        self, module: nn.Module, mode: PipelineMode, step: Callable[..., Any], args: tuple, kwargs: dict,
+        keep_shard: bool,
+    ) -> Any:  # fmt: skip
         """The user's step on this rank's sequence shard; ``keep_shard`` leaves it current for backward."""
         cp = self.cp
         if cp is not None and args:
@@ -163,7 +186,7 @@ class AppliedDimensions:
         if self.fsdp_units and self.fsdp_units[-1] is module:
             step = _through_forward(module, step)
         try:
-            with self.step_region(module):
+            with self.step_region(module, mode):
                 out = step(*args, **kwargs)
         except BaseException:
             if cp is not None:
@@ -202,7 +225,7 @@ class AppliedDimensions:
             zero=self.zero,
             fsdp_units=self.fsdp_units,
             cp=self.cp,
-            step_region=lambda: self.step_region(module),
+            step_region=lambda: self.step_region(module, mode),
             device=device,
         )
 

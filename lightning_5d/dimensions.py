@@ -55,6 +55,7 @@ from lightning_5d.parallel.pipeline import PipelineLoop, PipelineParallel
 from lightning_5d.parallel.pipeline.fsdp import adopt_stage_units
 from lightning_5d.parallel.pipeline.loop import check_pipeline_supported
 from lightning_5d.parallel.tensor import TensorParallel
+from lightning_5d.parallel.token_mean import LossGroups
 from lightning_5d.plan import describe, discover
 from lightning_5d.plan.blocks import ModelMappingError, find_blocks, require_blocks
 from lightning_5d.plan.model_plan import ModelPlan
@@ -308,7 +309,8 @@ class Pipeline(Step):
 
 class Data(Step):
     """ZeRO-3 as FSDP2 units, ZeRO-0..2 engines (experts reduce over their own group), or nothing
-    when no rank shares this one's data shard."""
+    when no rank shares this one's data shard; and the ranks a step's cross-entropy is a mean over
+    (``parallel/token_mean.py``: dp x cp, where the gradients are averaged)."""
 
     name = "data"
 
@@ -318,6 +320,10 @@ class Data(Step):
             raise ModelMappingError(why)
 
     def apply(self, ctx: ApplyContext) -> None:
+        mesh = ctx.mesh
+        ctx.applied.loss_groups = LossGroups(
+            train=(mesh.group("dp_cp"), mesh.size("dp_cp")), eval=(mesh.group("cp"), mesh.size("cp"))
+        )
         if ctx.config.zero == ZeroStage.PARAMETERS:
             self._fsdp(ctx)
             return

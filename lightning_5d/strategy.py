@@ -435,9 +435,11 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
         reference = None
         if numerics_check_due(precision, module.trainer, automatic):
             # The check's forward runs first: under cp the real step's shard must stay active until its backward.
-            check = lambda: self._applied.run_step(module, step, args, kwargs, keep_shard=False)  # noqa: E731
+            check = lambda: self._applied.run_step(  # noqa: E731
+                module, PipelineMode.TRAIN, step, args, kwargs, keep_shard=False
+            )
             reference = loss_without_fp8(precision, module, check, self.root_device)
-        out = self._applied.run_step(module, step, args, kwargs, keep_shard=automatic)
+        out = self._applied.run_step(module, PipelineMode.TRAIN, step, args, kwargs, keep_shard=automatic)
         if reference is not None:
             log_numerics(precision, module, out, reference, warn=self.is_global_zero)
         return out
@@ -464,7 +466,7 @@ class FiveDStrategy(CheckpointHooks, ParallelStrategy):
     def _eval_step(self, step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         if self._applied.pp is not None:
             return self._pipeline_step(PipelineMode.EVAL, step, args, kwargs)
-        return self._applied.run_step(self.lightning_module, step, args, kwargs, keep_shard=False)
+        return self._applied.run_step(self.lightning_module, PipelineMode.EVAL, step, args, kwargs, keep_shard=False)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:

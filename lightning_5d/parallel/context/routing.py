@@ -11,8 +11,9 @@ batch, runs the user's step inside :meth:`ContextParallel.step_region`, and call
    token's global position.
 3. **Attention** (``attention``): each block's attention runs
    :func:`~lightning_5d.parallel.context.ring.ring_attention` over the cp group.
-4. **Loss and metrics** (``loss``): token-weighted means over the whole sequence,
-   identical on every cp rank.
+4. **Loss and metrics**: the step's cross-entropy is the token mean over the whole
+   sequence (``parallel/token_mean.py``, with the data ranks' and microbatches' tokens), and
+   logged values are token-weighted over the shards (``loss``); both identical on every cp rank.
 
 Everything else in the model works per token and needs nothing. The cp ranks hold the
 same weights; gradients are averaged over dp×cp by the data-parallel engine (the mesh's
@@ -37,7 +38,7 @@ from lightning_5d.parallel.context import attention as context_attention
 from lightning_5d.parallel.context.attention import HuggingFaceSwitch, hugging_face_models, route_attention
 from lightning_5d.parallel.context.batch import ContextParallelError, shard_batch
 from lightning_5d.parallel.context.hybrid import check_hybrid
-from lightning_5d.parallel.context.loss import global_cross_entropy, global_metric
+from lightning_5d.parallel.context.loss import global_metric
 from lightning_5d.parallel.context.positions import route_positions
 from lightning_5d.parallel.context.state import ContextState
 from lightning_5d.parallel.step_log import log_options, log_through
@@ -137,7 +138,8 @@ class ContextParallel(ContextState):
 
     @contextmanager
     def step_region(self, module: nn.Module) -> Iterator[None]:
-        """Where the user's step runs: global cross-entropy, ``self.log`` values combined over the shards."""
+        """Where the user's step runs: ``self.log`` values combined over the shards (the cross-entropy over
+        the sequence: parallel/token_mean.py)."""
 
         def make_log(original: Callable[..., Any]) -> Callable[..., Any]:
             def log(name: str, value: Any, *args: Any, **kwargs: Any) -> Any:
@@ -174,8 +176,6 @@ class _GlobalLoss(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.cross_entropy:
-            return global_cross_entropy(self.cp, func, args, kwargs)
         if func is F.scaled_dot_product_attention:
             # Routed attention modules intercept their SDPA call before it gets here.
             raise ContextParallelError(

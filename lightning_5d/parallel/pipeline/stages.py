@@ -232,6 +232,7 @@ class PipelineParallel:
         self._schedules: dict[tuple, Any] = {}
         self._mode = PipelineMode.TRAIN
         self._microbatches: list[Any] = []
+        self._running = -1  # the microbatch whose step runs on this rank now (-1: none)
         self._step_fn: Callable[[Any], Any] | None = None
         self._results: dict[int, Any] = {}
         self._logs: dict[int, list[tuple[str, Any, dict]]] = {}
@@ -338,13 +339,20 @@ class PipelineParallel:
         return torch.zeros(shape, dtype=dtype, device=self.device)
 
     # ------------------------------------------------------------------ running
+    def running_microbatch(self) -> tuple[int, list]:
+        """(the microbatch whose step runs on this rank now, -1 outside one; this run's microbatches)."""
+        return self._running, self._microbatches
+
     def run_stage(self, spec: StageSpec, x: Tensor) -> Tensor:
         mb = self.current_microbatch[spec.index]
         with self._placed(spec, None if spec.is_first else x), self._module_calls(mb):
+            self._running = mb
             try:
                 result = self._step_fn(self._microbatches[mb])
             except _StageBoundary as stop:
                 return stop.output
+            finally:
+                self._running = -1
         if not spec.is_last:
             raise PipelineError(
                 f"the step finished on pipeline stage {spec.index} without running its blocks "
