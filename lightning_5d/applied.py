@@ -161,18 +161,21 @@ class AppliedDimensions:
 
     def _token_mean(self, mode: PipelineMode) -> TokenMean | None:
         """The step's cross-entropy as the mean over the batch's tokens (parallel/token_mean.py): over the
-        data and cp ranks in training, over cp in evaluation (Lightning's sync_dist combines data ranks),
-        and over the pipeline's microbatches; None where the step holds the whole batch."""
+        data and cp ranks for a loss backpropagated in training, over cp for any other value (Lightning's
+        sync_dist combines data ranks), and over the pipeline's microbatches; None where the step holds
+        the whole batch."""
         if self.loss_groups is None:
             return None
-        group, size = self.loss_groups.train if mode == PipelineMode.TRAIN else self.loss_groups.eval
+        backward = self.loss_groups.train if mode == PipelineMode.TRAIN else None
+        values = self.loss_groups.eval
         weights = None
         if self.pp is not None:
-            weights = MicrobatchWeights(self.pp.running_microbatch, shifted=self.cp is None)
-        if size == 1 and weights is None:
+            weights = MicrobatchWeights(self.pp.running_microbatch, shifts=self.cp is None,
+                                        record=self.pp.weigh_microbatches)  # fmt: skip
+        if weights is None and values[1] == 1 and (backward is None or backward[1] == 1):
             return None
         mark = self.cp.mark_global if self.cp is not None else None
-        return TokenMean(group, size, mark=mark, microbatches=weights)
+        return TokenMean(backward, values, mark=mark, microbatches=weights)
 
     def run_step(
         self, module: nn.Module, mode: PipelineMode, step: Callable[..., Any], args: tuple, kwargs: dict,

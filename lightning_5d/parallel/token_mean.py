@@ -3,7 +3,7 @@
 One process computes ``F.cross_entropy(..., reduction="mean")`` on the global batch as
 Σ(token losses) / N, where N counts the targets of the *whole* batch (labels other than
 ``ignore_index``, or their class weights). The layouts cut that batch three ways, and each
-part then took the mean of its own tokens:
+part then took the mean of its own targets:
 
 * data ranks (dp): the gradient reduction averages the ranks' gradients;
 * cp ranks: each holds a shard of every sequence;
@@ -12,23 +12,31 @@ part then took the mean of its own tokens:
 An average of means is the mean only when every part counts the same N_i. With padding, or
 with an SFT prompt masked with -100, it does not: before, dp2 trained 2.2e-2 and pp2 (2
 microbatches) 1.2e-2 away from one process in 3 steps (parameter vector error; cp2 was
-already exact, this is its rule made general). Inside a step, the user's cross-entropy
-therefore becomes, over the *group* of ranks that hold parts of the batch (dp × cp in
-training, cp alone in evaluation, where Lightning's ``sync_dist`` combines data ranks):
+already exact, and this is its rule made general). Inside a step, each such call becomes a
+mean over the *group* of ranks that hold parts of the batch: dp × cp for a loss that will be
+backpropagated in training (the group the gradient reduction averages over), cp alone
+otherwise (validation, a value computed without gradients: Lightning's ``sync_dist``
+combines data ranks' logged values):
 
-* ``"mean"``: Σ_group(local sum) / Σ_group(N_i): one all-reduce of the pair, the same value on
-  every rank of the group. Its backward is multiplied by |group|, because the gradient
-  reduction averages over that group while the loss is a sum over it.
-* ``"sum"``: the group's sum, with the same backward.
-* Under pp, microbatch j's value is then scaled by w_j = m · N_j / Σ_k N_k (``"sum"``: by m),
-  so that pp's mean over the microbatches, Σ_j w_j · mean_j / m, is the batch's token mean.
-  Microbatch j's backward may run before microbatch j + 1's forward (1F1B), so the counts
-  N_k are read ahead from the batch's labels (``label_counts``) and checked against what each
-  call then counts (:class:`MicrobatchWeights`); a step whose counts the labels do not
-  predict is refused before any optimizer step.
+* its value is Σ_group(local sum) / Σ_group(N_i), one all-reduce of the pair, the same on
+  every rank of the group; its backward is multiplied by |group|, because the gradient
+  reduction averages over that group while the loss is a sum over it;
+* under pp, microbatch j's backward is further scaled by w_j = m · N_j / Σ_k N_k, so that pp's
+  mean over the microbatches, Σ_j w_j · mean_j / m, is the batch's token mean. The value the
+  step sees stays microbatch j's mean; the pipeline weights logged means and the returned loss
+  by N_j when it combines the microbatches. Microbatch j's backward may run before microbatch
+  j + 1's forward (1F1B), so the N_k are read ahead from the batch: the first call of each call
+  site finds which integer tensor of the microbatch its targets are (equal to it, or to it
+  shifted by one as Hugging Face's causal LMs shift ``labels``), compared element by element
+  (:class:`MicrobatchWeights`), and every later call's count is checked against the counts
+  read. A loss whose counts the batch does not predict is refused before its gradients reach
+  an optimizer step.
 
-Per-token (``reduction="none"``) and legacy-flag calls are left alone: the step reduces them
-itself, and the layout averages the parts' results as before (docs/model_support.md).
+``reduction="sum"`` and ``"none"`` and the legacy flags are left alone: the common
+``F.cross_entropy(..., reduction="sum") / own_count`` (Hugging Face's loss with
+``num_items_in_batch``) divides by the part's own count afterwards, and a group sum there
+would count every part again. Such a loss, like any loss the step reduces itself, is averaged
+over the parts as before (docs/model_support.md).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Callable
 
 import torch
@@ -49,38 +58,61 @@ from lightning_5d.config import LayoutError
 CROSS_ENTROPY_ARGS = (
     "input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing",
 )  # fmt: skip
-LABEL_KEYS = ("labels", "label", "targets", "target")  # a batch's labels, by the names data loaders use
+LABEL_KEYS = ("labels", "label", "targets", "target")  # looked at first: the names data loaders use
 _COUNT_RTOL = 1e-9  # class-weight sums may add in another order than the labels' count
+Group = tuple[Any, int]  # (process group, size)
 
 
 class TokenMeanError(LayoutError):
     """A step's loss whose token counts the layout cannot weight exactly; the message says what to change."""
 
 
+@dataclass(frozen=True)
+class LossGroups:
+    """The ranks that hold parts of one batch: over these a step's mean is taken."""
+
+    train: Group  # dp x cp: the group the gradient reduction averages over
+    eval: Group  # cp: data ranks' logged values are Lightning's sync_dist's to combine
+
+
 class _SumOverGroup(torch.autograd.Function):
-    """Forward: (the group's sum of ``x``, of ``count``), one all-reduce. Backward: ``x``'s incoming
-    gradient times the group's size (the gradient reduction averages over the same group)."""
+    """Forward: (the group's sum of ``x``, of ``count``) in at least fp32, one all-reduce. Backward:
+    ``x``'s incoming gradient times the group's size (the gradient reduction averages over the group)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, count: Tensor, group: Any, size: int):  # type: ignore[override]
         both = torch.stack([x.detach().to(torch.float64).reshape(()), count.to(torch.float64).reshape(())])
         dist.all_reduce(both, group=group)
-        ctx.size = size
+        ctx.size, ctx.dtype = size, x.dtype
         total = both[1].clone()
         ctx.mark_non_differentiable(total)
-        return both[0].to(x.dtype), total
+        return both[0].to(torch.promote_types(x.dtype, torch.float32)), total
 
     @staticmethod
     def backward(ctx, grad: Tensor, _grad_count: Tensor):  # type: ignore[override]
-        return grad * ctx.size, None, None, None
+        return (grad * ctx.size).to(ctx.dtype), None, None, None
+
+
+class _ScaleBackward(torch.autograd.Function):
+    """Forward: ``x`` as it is. Backward: the incoming gradient times ``scale`` (pp's w_j)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, scale: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.scale = scale
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        return grad * ctx.scale.to(grad.dtype), None
 
 
 def bind_cross_entropy(args: tuple, kwargs: dict) -> dict | None:
-    """The call's arguments by name, or None where the call's own result is kept (per-token output, legacy flags)."""
+    """The call's arguments by name where it takes a mean; None where its own result is kept
+    (``"sum"``, ``"none"``, the legacy flags: the step divides or reduces them itself)."""
     bound = {**dict(zip(CROSS_ENTROPY_ARGS, args)), **kwargs}
     if bound.get("size_average") is not None or bound.get("reduce") is not None:
         return None
-    return None if bound.get("reduction", "mean") == "none" else bound
+    return bound if bound.get("reduction", "mean") == "mean" else None
 
 
 def counted_targets(bound: dict) -> Tensor:
@@ -96,42 +128,54 @@ def counted_targets(bound: dict) -> Tensor:
     return weight[target[valid]].sum().to(torch.float64)
 
 
-def find_labels(batch: Any) -> Tensor | None:
-    """The batch's integer labels: a mapping's ``labels`` (or ``label``, ``targets``, ``target``), or a
-    tuple's last integer tensor after its first; None where there is none to read."""
+class Relation(Enum):
+    """How a call's targets are one of the batch's integer tensors."""
+
+    EQUAL = "{}"  # aligned labels: labels[t] is the token after input_ids[t]
+    SHIFTED = "{}[..., 1:]"  # labels equal to the inputs, shifted by the step (logits[:, :-1])
+    SHIFTED_PADDED = "{}[..., 1:] padded with ignore_index"  # Hugging Face: pad(labels, (0, 1))[..., 1:]
+
+    def of(self, t: Tensor, ignore_index: int) -> Tensor:
+        if self is Relation.EQUAL:
+            return t
+        if self is Relation.SHIFTED:
+            return t[..., 1:]
+        return F.pad(t, (0, 1), value=ignore_index)[..., 1:]
+
+
+def integer_tensors(batch: Any) -> list[tuple[str, Tensor]]:
+    """(name, tensor) of every integer tensor of a microbatch: a mapping's ``labels`` (``label``,
+    ``targets``, ``target``) first, then its other entries; a tuple's in order."""
     if isinstance(batch, Mapping):
-        found = next((batch[k] for k in LABEL_KEYS if isinstance(batch.get(k), Tensor)), None)
+        keys = [k for k in LABEL_KEYS if k in batch] + [k for k in batch if k not in LABEL_KEYS]
+        found = [(f"batch[{k!r}]", batch[k]) for k in keys]
     elif isinstance(batch, Sequence) and not isinstance(batch, str):
-        tensors = [t for t in batch if isinstance(t, Tensor)]
-        found = next((t for t in reversed(tensors[1:]) if not t.is_floating_point()), None)
+        found = [(f"batch[{i}]", t) for i, t in enumerate(batch)]
     else:
-        found = None
-    return found if found is not None and not found.is_floating_point() else None
+        found = [("batch", batch)]
+    return [(n, t) for n, t in found if isinstance(t, Tensor) and t.dim() > 0 and not t.is_floating_point()]
 
 
-def label_counts(bound: dict, labels: Tensor, shifted: bool) -> Tensor:
-    """What a call like ``bound`` would count on ``labels`` (``shifted``: on ``labels[..., 1:]``, where a
-    model shifts labels equal to its inputs, as Hugging Face's causal LMs do)."""
-    if shifted:
-        labels = labels[..., 1:]
-    return counted_targets({**bound, "target": labels.reshape(-1)})
-
-
-@dataclass(frozen=True)
-class LossGroups:
-    """The ranks that hold parts of one batch, as (process group, size): over these a step's mean is taken."""
-
-    train: tuple[Any, int]  # dp x cp: the group the gradient reduction averages over
-    eval: tuple[Any, int]  # cp: data ranks' logged values are Lightning's sync_dist's to combine
+def find_targets(batch: Any, target: Tensor, ignore_index: int, shifts: bool) -> tuple[int, Relation] | None:
+    """Which of ``batch``'s integer tensors ``target`` is, element by element, and how; None if none."""
+    relations = list(Relation) if shifts else [Relation.EQUAL]
+    for position, (_, t) in enumerate(integer_tensors(batch)):
+        for relation in relations:
+            candidate = relation.of(t, ignore_index)
+            if candidate.numel() == target.numel() and torch.equal(
+                candidate.reshape(-1).to(target.device, target.dtype), target.reshape(-1)
+            ):
+                return position, relation
+    return None
 
 
 @dataclass
 class _Site:
-    """One cross-entropy call site of the step (its n-th call in a microbatch) over one pipeline run."""
+    """One cross-entropy call site of the step (its n-th mean call in a microbatch) over one pipeline run."""
 
-    counts: Tensor | None  # [m] predicted counts the calls matched, or None: every call must count the same
+    counts: Tensor | None  # [m] the group's counts read from the batch, or None: every call must count the same
     first: float = math.nan  # with counts None: what the first call counted
-    reads: str = ""  # the labels the counts were read from, for the refusal
+    reads: str = ""  # what the counts were read from, for the refusal
 
 
 @dataclass
@@ -139,62 +183,82 @@ class MicrobatchWeights:
     """Pipeline microbatch weights w_j = m · N_j / Σ N_k of one run (module docstring).
 
     ``where()``: (the microbatch the step runs, the run's microbatches); index -1 outside a
-    microbatch (the pipeline's shape probe). ``shifted``: whether counts of ``labels[..., 1:]``
-    may be what a call counts (not under cp, whose shards cut the sequence).
+    microbatch (the pipeline's shape probe). ``shifts``: whether targets may be a tensor of the
+    batch shifted by one (not under cp, whose shards cut the sequence). ``record(counts)``: gives
+    the pipeline the first call site's counts, by which it weights the microbatches' logged
+    means and returned losses.
     """
 
     where: Callable[[], tuple[int, list]]
-    shifted: bool
+    shifts: bool
+    record: Callable[[list[float] | None], None] = lambda counts: None
     _sites: dict[int, _Site] = field(default_factory=dict)
     _calls: dict[int, int] = field(default_factory=dict)
 
-    def sum_scale(self, bound: dict, counted: Tensor, group: Any, size: int) -> tuple[float | Tensor | None, bool]:
-        """(the factor for this call's group sum, whether it replaces the mean), or (None, False) to keep the
-        call's mean. A mean becomes Σ_group / Σ_k N_k · m; a sum is scaled by m (``counted``: the group's count)."""
+    def weight(self, bound: dict, counted: Tensor, group: Group, backpropagated: bool) -> Tensor | None:
+        """w_j for this call's mean (``counted``: the group's count), or None for 1. A count the batch did
+        not predict is refused where the call is backpropagated, and unweights the logs where it is not."""
         index, microbatches = self.where()
         if index < 0:
-            return None, False
-        m = len(microbatches)
-        if bound.get("reduction", "mean") == "sum":
-            return float(m), True
+            return None
         call = self._calls.get(index, 0)
         self._calls[index] = call + 1
         seen = float(counted)
         site = self._sites.get(call)
         if site is None:
-            site = self._sites[call] = self._predict(bound, microbatches, index, seen, group, size)
+            site = self._sites[call] = self._predict(bound, microbatches, index, seen, group)
+            if call == 0:
+                self.record(None if site.counts is None else [float(c) for c in site.counts])
         expected = site.first if site.counts is None else float(site.counts[index])
         if not math.isclose(seen, expected, rel_tol=_COUNT_RTOL):
-            raise TokenMeanError(self._refusal(site, call, index, seen, expected, m))
+            if backpropagated:
+                raise TokenMeanError(self._refusal(site, call, index, seen, expected, len(microbatches)))
+            self.record(None)
+            return None
         if site.counts is None:  # every call counts the same: pp's mean of means is the batch's mean
-            return None, False
-        # Σ_group sum / Σ_k N_k · m rather than mean_j · w_j: no 0/0 where a microbatch counts nothing.
-        return m / site.counts.sum(), True
+            return None
+        return site.counts[index] * len(microbatches) / site.counts.sum()
 
-    def _predict(self, bound: dict, microbatches: list, index: int, seen: float, group: Any, size: int) -> _Site:
-        """The counts every microbatch's call will make, read from the run's labels and chosen by this call's."""
-        labels = [find_labels(mb) for mb in microbatches]
-        if any(t is None for t in labels):
-            return _Site(counts=None, first=seen)
-        rows = [[label_counts(bound, t, shifted=False) for t in labels]]
-        if self.shifted and all(t.dim() >= 2 for t in labels):
-            rows.append([label_counts(bound, t, shifted=True) for t in labels])
-        table = torch.stack([torch.stack(r) for r in rows])
+    def _predict(self, bound: dict, microbatches: list, index: int, seen: float, group: Group) -> _Site:
+        """Every microbatch's count for this call site, read from the tensor of the batch its targets are."""
+        target, ignore_index = bound["target"], bound.get("ignore_index", -100)
+        found = None
+        if not target.is_floating_point():
+            found = find_targets(microbatches[index], target, ignore_index, self.shifts)
+        counts = torch.zeros(len(microbatches), dtype=torch.float64, device=target.device)
+        name = ""
+        if found is not None:
+            position, relation = found
+            for j, mb in enumerate(microbatches):
+                tensors = integer_tensors(mb)
+                t = relation.of(tensors[position][1], ignore_index)
+                counts[j] = counted_targets({**bound, "target": t.reshape(-1).to(target.device)})
+            name = relation.value.format(integer_tensors(microbatches[index])[position][0])
+        # Every rank of the group must read the same tensor the same way: code = position x 3 + relation + 1.
+        code = 0.0 if found is None else float(found[0] * len(Relation) + list(Relation).index(found[1]) + 1)
+        table = torch.cat([counts, torch.tensor([code, code * code], dtype=torch.float64, device=counts.device)])
+        group_, size = group
         if size > 1:
-            dist.all_reduce(table, group=group)  # every rank of the group reads its part of each microbatch
-        for row, reads in zip(table, ("the labels", "the labels[..., 1:]")):
-            if math.isclose(float(row[index]), seen, rel_tol=_COUNT_RTOL):
-                return _Site(counts=row, reads=reads)
-        return _Site(counts=None, first=seen)
+            dist.all_reduce(table, group=group_)
+        codes, squares = float(table[-2]), float(table[-1])
+        if not math.isclose(codes * codes, size * squares, rel_tol=_COUNT_RTOL, abs_tol=0.0):
+            raise TokenMeanError(
+                f"the ranks holding parts of the batch found the step's cross-entropy targets in different tensors "
+                f"of their microbatches ({name or 'none'} here), so its mean cannot be weighted the same on every "
+                f"rank; give every rank the same batch structure, or use pp=1."
+            )
+        if found is None:
+            return _Site(counts=None, first=seen)
+        return _Site(counts=table[:-2], reads=name)
 
     @staticmethod
     def _refusal(site: _Site, call: int, index: int, seen: float, expected: float, m: int) -> str:
         if site.counts is not None:
-            found = f"where {site.reads} of the batch hold {expected:g} there"
+            found = f"where {site.reads} of the microbatch holds {expected:g}"
         else:
             found = (
-                f"and an earlier microbatch {expected:g}, while no labels of the batch (a 'labels' entry, or the last "
-                f"integer tensor of a tuple) predicted those counts"
+                f"and an earlier microbatch {expected:g}, while its targets are no tensor of the batch (equal to one, "
+                f"or to one shifted by a position), from which the counts could be read before the run"
             )
         return (
             f"F.cross_entropy call {call + 1} of the step counted {seen:g} targets in pipeline microbatch {index} "
@@ -207,15 +271,18 @@ class MicrobatchWeights:
 
 
 class TokenMean(TorchFunctionMode):
-    """While a step runs: its ``F.cross_entropy`` as the mean over the group's part of the batch
-    (module docstring). ``mark``: records a value that is already the same on every cp rank."""
+    """While a step runs: its ``F.cross_entropy`` means taken over the batch (module docstring).
+
+    ``backward``: the group of a call that will be backpropagated (dp x cp in training; None in
+    evaluation), ``values``: the group of any other call (cp). ``mark`` records a value that is
+    already the same on every cp rank."""
 
     def __init__(
-        self, group: Any, size: int, mark: Callable[[Tensor], Tensor] | None = None,
+        self, backward: Group | None, values: Group, mark: Callable[[Tensor], Tensor] | None = None,
         microbatches: MicrobatchWeights | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
-        self.group, self.size = group, size
+        self.backward, self.values = backward, values
         self.mark = mark
         self.microbatches = microbatches
 
@@ -226,20 +293,23 @@ class TokenMean(TorchFunctionMode):
         bound = bind_cross_entropy(args, kwargs)
         if bound is None:
             return func(*args, **kwargs)
+        logits = bound["input"]
+        backpropagated = self.backward is not None and torch.is_grad_enabled() and logits.requires_grad
+        group = self.backward if backpropagated else self.values
         local_sum = func(**{**bound, "reduction": "sum"})
         count = counted_targets(bound)
-        if self.size > 1:
-            total, count = _SumOverGroup.apply(local_sum, count, self.group, self.size)
-        else:
-            total = local_sum
-        wide = torch.promote_types(total.dtype, torch.float32)  # a bf16 count above 256 is already rounded
-        scale, replaces = None, False
+        wide = torch.promote_types(local_sum.dtype, torch.float32)  # a bf16 count above 256 is already rounded
+        total = local_sum.to(wide)
+        if group[1] > 1:
+            total, count = _SumOverGroup.apply(local_sum, count, *group)
+        weight = None
         if self.microbatches is not None:
-            scale, replaces = self.microbatches.sum_scale(bound, count, self.group, self.size)
-        if replaces:
-            value = (total.to(wide) * scale).to(total.dtype)
-        elif bound.get("reduction", "mean") == "sum":
-            value = total
+            weight = self.microbatches.weight(bound, count, group, backpropagated)
+        if weight is not None and not float(count):  # no targets in this microbatch: it adds nothing
+            value = total * 0.0
         else:
-            value = (total.to(wide) / count.to(wide)).to(total.dtype)
+            value = total / count.to(wide)
+        if weight is not None and backpropagated:
+            value = _ScaleBackward.apply(value, weight)
+        value = value.to(local_sum.dtype)
         return self.mark(value) if self.mark is not None else value

@@ -6,11 +6,16 @@ targets. On SFT-style data (sample i's first 7i mod 29 targets masked) that trai
 away from one process, after 3 steps (parameter vector error): dp2 2.2e-2 (also under ZeRO-3),
 pp2 1.2e-2 (labels shifted in the step: 1.3e-2; with accumulation 1.1e-2), pp2 x dp2 3.9e-2,
 cp2 x dp2 and tp2 x dp2 2.3e-2; Hugging Face's Qwen3 computing its loss from ``labels=``
-3.5e-3 under pp2 and 7.3e-3 under dp2; a summed cross-entropy was halved under dp2 and pp2 (5.6e-4
-with SGD), and pp2's logged val_loss was 4.8412 for one process's 4.8392. Now each matches one
-process within 1e-5, and targets masked inside the step, which pp cannot count before its
-microbatches run, are refused (lightning_5d.parallel.token_mean).
+3.5e-3 under pp2 and 7.3e-3 under dp2, and pp2's logged val_loss was 4.8412 for one process's
+4.8392. Now each matches one process within 1e-5, logged losses included, and targets masked
+inside the step, which pp cannot count before its microbatches run, are refused
+(lightning_5d.parallel.token_mean). A cross-entropy summed and divided by the step's own count
+is left as it was (exact where the parts count the same targets); under cp it was summed over the
+sequence first, which made it twice the mean at cp2 (1.5e-2 off, logged 10.12 for 5.25): now the
+shard's own, like a data rank's.
 """
+
+import math
 
 import pytest
 
@@ -20,7 +25,7 @@ PP2 = {"pp": 2, "pipeline": {"microbatches": 2}}
 ONE_PROCESS = {
     "b4": {"layout": {}, "batch": 4, "validate": True},
     "b4 shifted": {"layout": {}, "batch": 4, "labels": "shifted"},
-    "b4 sum": {"layout": {}, "batch": 4, "reduction": "sum"},
+    "b4 sum": {"layout": {}, "batch": 4, "reduction": "sum", "labels": "unmasked"},
     "b4 accumulate 2": {"layout": {}, "batch": 4, "accumulate": 2},
     "b8": {"layout": {}, "batch": 8},
     "qwen3 b4": {"layout": {}, "batch": 4, "model": "qwen3"},
@@ -29,10 +34,17 @@ TWO_RANKS = {  # name: (case, the one-process case it must match)
     "dp2": ({"layout": {"zero": 1}, "batch": 2}, "b4"),
     "dp2, targets masked in the step": ({"layout": {"zero": 1}, "batch": 2, "labels": "in_step"}, "b4"),
     "dp2 zero=3": ({"layout": {"zero": 3}, "batch": 2}, "b4"),
-    "dp2, a summed cross-entropy (SGD)": ({"layout": {"zero": 2}, "batch": 2, "reduction": "sum"}, "b4 sum"),
+    # The sum divided by the step's own count is the part's own mean, as before (exact without masking).
+    "dp2, a sum over the own count (SGD)": ({"layout": {"zero": 2}, "batch": 2, "reduction": "sum",
+                                            "labels": "unmasked"}, "b4 sum"),
     "pp2, then validate": ({"layout": PP2, "batch": 4, "validate": True}, "b4"),
     "pp2, labels shifted in the step": ({"layout": PP2, "batch": 4, "labels": "shifted"}, "b4 shifted"),
-    "pp2, a summed cross-entropy (SGD)": ({"layout": PP2, "batch": 4, "reduction": "sum"}, "b4 sum"),
+    "pp2, a sum over the own count (SGD)": ({"layout": PP2, "batch": 4, "reduction": "sum", "labels": "unmasked"},
+                                            "b4 sum"),
+    # Before, cp summed a sum over the sequence: divided by the shard's count, twice the mean (1.5e-2 off).
+    "cp2, a sum over the own count (SGD)": ({"layout": {"cp": 2}, "batch": 4, "reduction": "sum",
+                                            "labels": "unmasked"}, "b4 sum"),
+    "pp2, 4 microbatches of one sample": ({"layout": {"pp": 2, "pipeline": {"microbatches": 4}}, "batch": 4}, "b4"),
     "pp2, accumulate 2": ({"layout": PP2, "batch": 4, "accumulate": 2}, "b4 accumulate 2"),
     "cp2, then validate": ({"layout": {"cp": 2}, "batch": 4, "validate": True}, "b4"),
     # Hugging Face's loss from labels= inside the model: it shifts them and takes their mean itself.
@@ -56,13 +68,19 @@ def run_cases(tmp_path, cases: dict, nproc: int) -> dict:
 
 
 def check_equal(results: dict, cases: dict, one: dict) -> None:
-    for name, (_, reference) in cases.items():
+    for name, (case, reference) in cases.items():
         assert "error" not in results[name], f"{name}: {results[name].get('error')}"
         error = parameter_vector_error(results[name]["params"], one[reference]["params"])
         assert error <= 1e-5, f"{name}: {error:.2e} from one process"
-        if results[name]["losses"]:  # pp: the last stage's; every other layout's logged loss is the batch's
+        own = case.get("reduction") == "sum"  # the step's value is its part's own mean, as before
+        if own and "cp" not in case["layout"]:  # ... which Lightning logs on each data rank
+            continue
+        if results[name]["losses"] and not own:  # pp: the last stage's; every other layout's logged loss is the batch's
             for got, expected in zip(results[name]["losses"], one[reference]["losses"]):
                 assert abs(got - expected) <= 1e-5 * abs(expected), f"{name}: loss {got} for {expected}"
+        logged, expected = results[name].get("logged", math.nan), one[reference].get("logged", math.nan)
+        if not math.isnan(expected):  # the step's logged train_loss: the batch's mean on every layout
+            assert abs(logged - expected) <= 1e-5 * abs(expected), f"{name}: logged {logged} for {expected}"
         if "val_loss" in results[name]:
             assert abs(results[name]["val_loss"] - one[reference]["val_loss"]) <= 1e-5, name
 

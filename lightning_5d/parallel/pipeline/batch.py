@@ -103,12 +103,23 @@ def _to_number(name: str, value: Any) -> float | int:
 _REDUCE = {"sum": sum, "max": max, "min": min}
 
 
-def _combine_logs(per_microbatch: list[list[tuple[str, float | int, dict]]]) -> list[tuple[str, float, dict]]:
+def _weighted_mean(values: list[float], weights: list[float] | None) -> float:
+    """The microbatches' mean, weighted by the targets each counts where those are known (one per value)."""
+    if weights is None or len(weights) != len(values) or sum(weights) <= 0:
+        return sum(values) / len(values)
+    return sum(w * v for w, v in zip(weights, values) if w) / sum(weights)
+
+
+def _combine_logs(
+    per_microbatch: list[list[tuple[str, float | int, dict]]], weights: list[float] | None = None
+) -> list[tuple[str, float, dict]]:
     """One value per name over the microbatches, by the log call's own ``reduce_fx`` (mean by default).
 
     Integers are counts of their microbatch: the batch's count is their sum, under the default
     mean too (one process logs the whole batch's count). A float count logged with the mean
-    cannot be told from a mean and is averaged (docs/pipeline_parallel.md)."""
+    cannot be told from a mean and is averaged (docs/pipeline_parallel.md). ``weights``: the
+    targets each microbatch's cross-entropy counted (parallel/token_mean.py): a mean logged by
+    every microbatch is weighted by them, as one process's mean over the whole batch."""
     values: dict[str, list[float]] = {}
     options: dict[str, dict] = {}
     for records in per_microbatch:
@@ -120,24 +131,26 @@ def _combine_logs(per_microbatch: list[list[tuple[str, float | int, dict]]]) -> 
         fx = reduce_fx_name(options[name].get("reduce_fx", "mean"))
         if fx == "mean" and all(isinstance(x, int) for x in v):
             fx = "sum"
-        combine = _REDUCE.get(fx, lambda x: sum(x) / len(x))
+        combine = _REDUCE.get(fx, lambda x: _weighted_mean(x, weights))
         combined.append((name, float(combine(v)), options[name]))
     return combined
 
 
-def merge_step_outputs(results: list[Any]) -> Any:
-    """One output for the whole batch: scalars averaged, batched tensors concatenated, dicts per key."""
+def merge_step_outputs(results: list[Any], weights: list[float] | None = None) -> Any:
+    """One output for the whole batch: scalars averaged (weighted as :func:`_combine_logs` weights means),
+    batched tensors concatenated, dicts per key."""
     first = results[0]
     if first is None:
         return None
     if isinstance(first, Tensor):
         if first.dim() == 0:
-            return torch.stack([r.detach().float() for r in results]).mean().to(first.dtype)
+            mean = _weighted_mean([float(r.detach().float()) for r in results], weights)
+            return torch.tensor(mean, dtype=first.dtype, device=first.device)
         return torch.cat([r.detach() for r in results])
     if isinstance(first, dict):
-        return {k: merge_step_outputs([r[k] for r in results]) for k in first}
+        return {k: merge_step_outputs([r[k] for r in results], weights) for k in first}
     if isinstance(first, (list, tuple)):
-        return type(first)(merge_step_outputs(list(parts)) for parts in zip(*results))
+        return type(first)(merge_step_outputs(list(parts), weights) for parts in zip(*results))
     return results
 
 

@@ -233,6 +233,7 @@ class PipelineParallel:
         self._mode = PipelineMode.TRAIN
         self._microbatches: list[Any] = []
         self._running = -1  # the microbatch whose step runs on this rank now (-1: none)
+        self._weights: list[float] | None = None  # this run's microbatch weights for logged means (N_j)
         self._step_fn: Callable[[Any], Any] | None = None
         self._results: dict[int, Any] = {}
         self._logs: dict[int, list[tuple[str, Any, dict]]] = {}
@@ -343,6 +344,11 @@ class PipelineParallel:
         """(the microbatch whose step runs on this rank now, -1 outside one; this run's microbatches)."""
         return self._running, self._microbatches
 
+    def weigh_microbatches(self, counts: list[float] | None) -> None:
+        """Weight this run's logged means and returned scalars by ``counts`` (the targets each microbatch's
+        cross-entropy counts: parallel/token_mean.py), or not at all (None), as one process's batch mean."""
+        self._weights = counts
+
     def run_stage(self, spec: StageSpec, x: Tensor) -> Tensor:
         mb = self.current_microbatch[spec.index]
         with self._placed(spec, None if spec.is_first else x), self._module_calls(mb):
@@ -393,6 +399,7 @@ class PipelineParallel:
         Both are the last stage's, sent to every pipeline rank, so each rank returns and logs the same.
         """
         self._step_fn, self._results, self._logs, self._mode = step_fn, {}, {}, mode
+        self._weights = None
         try:
             if mode == PipelineMode.TRAIN:
                 self._train(batch)
@@ -464,9 +471,10 @@ class PipelineParallel:
                 payload = (None, [], failed)
             else:
                 results = [self._results[i] for i in range(self.microbatches)]
-                logged = _combine_logs([self._logs.get(i, []) for i in range(self.microbatches)])
+                logged = _combine_logs([self._logs.get(i, []) for i in range(self.microbatches)], self._weights)
                 # On the host: unpickled tensors would otherwise land on the last stage's GPU everywhere.
-                out = apply_to_collection(merge_step_outputs(results), Tensor, lambda t: t.detach().cpu())
+                merged = merge_step_outputs(results, self._weights)
+                out = apply_to_collection(merged, Tensor, lambda t: t.detach().cpu())
                 payload = (out, logged, None)
         box = [payload]
         dist.broadcast_object_list(box, group=self.group, group_src=last_rank)

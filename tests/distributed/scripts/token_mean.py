@@ -9,12 +9,13 @@ pipeline microbatches count different numbers of targets. ``labels`` says where 
 * ``aligned``: in the batch's labels, aligned with input_ids (labels[t] = input_ids[t+1]);
 * ``shifted``: in a ``labels`` equal to input_ids, which the step shifts (``logits[:, :-1]`` against
   ``labels[:, 1:]``), as Hugging Face's causal LMs do;
-* ``in_step``: nowhere in the batch; the step masks the same targets itself.
+* ``in_step``: nowhere in the batch; the step masks the same targets itself;
+* ``unmasked``: no target masked.
 
 ``model: "qwen3"``: the zoo's Hugging Face Qwen3 (``tests/zoo``), its loss computed inside the
 model from ``labels=`` (``labels: "shifted"``), as Hugging Face's causal LMs do.
-``reduction: "sum"`` trains on the cross-entropy's sum (times 1e-3) with SGD, which shows a gradient
-scaled by the number of parts. ``accumulate``: Lightning's accumulate_grad_batches. ``validate``: a
+``reduction: "sum"`` trains on the cross-entropy's sum divided by the step's own count of targets
+(the usual hand-written mean, and Hugging Face's with ``num_items_in_batch``), with SGD. ``accumulate``: Lightning's accumulate_grad_batches. ``validate``: a
 validation pass after the fit, its logged ``val_loss`` recorded. Rank 0 writes, per case, the final
 full parameters, the logged losses and the val_loss, or the error that stopped the fit
 (tests/distributed/test_token_mean.py).
@@ -54,6 +55,8 @@ class Prompted(Dataset):
     def __getitem__(self, i: int) -> dict:
         item = dict(self.base[i])
         k = prompt_length(i)
+        if self.labels == "unmasked":
+            return item
         if self.labels == "aligned":
             item["labels"] = item["labels"].clone()
             item["labels"][:k] = -100
@@ -102,7 +105,7 @@ class PromptedLM(RecordingLM):
         else:
             labels = batch["labels"]
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction=self.reduction)
-        return loss * 1e-3 if self.reduction == "sum" else loss
+        return loss / (labels != -100).sum() if self.reduction == "sum" else loss
 
 
 def build(case: dict) -> L.LightningModule:
@@ -132,7 +135,8 @@ def run(case: dict) -> dict:
     except (lightning_5d.TokenMeanError, PipelinePeerError) as error:  # pp: the last stage's refusal
         return {"error": f"{type(error).__name__}: {error}"}
     out = {"params": {k: v.detach().clone() for k, v in trainer.strategy.full_model_state().items()},
-           "losses": [float(x) for x in module.losses]}  # fmt: skip
+           "losses": [float(x) for x in module.losses],
+           "logged": float(trainer.callback_metrics.get("train_loss", float("nan")))}  # fmt: skip
     if case.get("validate"):
         trainer.limit_val_batches = 2
         out["val_loss"] = float(trainer.validate(module, datamodule=data, verbose=False)[0]["val_loss"])

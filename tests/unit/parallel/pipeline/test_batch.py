@@ -39,3 +39,17 @@ def test_logged_values_follow_their_reduce_fx():
         ]
     )
     assert dict((k, v) for k, v, _ in logs) == {"n": 7.0, "m": 5.0}
+
+
+def test_means_weighted_by_the_targets_each_microbatch_counts():
+    """parallel/token_mean.py gives the first cross-entropy's counts: means logged in every microbatch and
+    returned scalars are weighted by them (a microbatch with none adds nothing, NaN included); sums,
+    counts and a name logged by some microbatches only are not."""
+    weights = [3.0, 1.0, 0.0]
+    records = [[("loss", 1.0, {}), ("hits", 3, {}), ("x", 5.0, {})], [("loss", 5.0, {}), ("hits", 1, {})],
+               [("loss", float("nan"), {}), ("hits", 0, {})]]  # fmt: skip
+    assert _combine_logs(records, weights) == [("loss", 2.0, {}), ("hits", 4.0, {}), ("x", 5.0, {})]
+    merged = merge_step_outputs([{"loss": torch.tensor(1.0)}, {"loss": torch.tensor(5.0)}, {"loss": torch.tensor(7.0)}],
+                                weights)  # fmt: skip
+    assert merged["loss"].item() == 2.0
+    assert merge_step_outputs([torch.tensor(1.0), torch.tensor(5.0)], [0.0, 0.0]).item() == 3.0  # no targets
