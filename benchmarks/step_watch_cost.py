@@ -31,6 +31,7 @@ from benchmarks.common import (
     write_ranks,
 )
 
+
 def worker(args: argparse.Namespace) -> None:
     import lightning_5d
     from lightning_5d.applied import AppliedDimensions

@@ -13,10 +13,10 @@ An average of means is the mean only when every part counts the same N_i. With p
 with an SFT prompt masked with -100, it does not: before, dp2 trained 2.2e-2 and pp2 (2
 microbatches) 1.2e-2 away from one process in 3 steps (parameter vector error; cp2 was
 already exact, and this is its rule made general). Inside a step, each such call becomes a
-mean over the *group* of ranks that hold parts of the batch: dp × cp for a loss that will be
-backpropagated in training (the group the gradient reduction averages over), cp alone
-otherwise (validation, a value computed without gradients: Lightning's ``sync_dist``
-combines data ranks' logged values):
+mean over the *group* of ranks that hold parts of the batch: dp × cp in training (the group
+the gradient reduction averages over; also for a value computed without gradients, such as
+the FP8 numerics check's reference loss, which must equal the step's), cp alone in
+validation and test (Lightning's ``sync_dist`` combines data ranks' logged values):
 
 * its value is Σ_group(local sum) / Σ_group(N_i), one all-reduce of the pair, the same on
   every rank of the group; its backward is multiplied by |group|, because the gradient
@@ -42,6 +42,7 @@ over the parts as before (docs/model_support.md).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -156,17 +157,18 @@ def integer_tensors(batch: Any) -> list[tuple[str, Tensor]]:
     return [(n, t) for n, t in found if isinstance(t, Tensor) and t.dim() > 0 and not t.is_floating_point()]
 
 
-def find_targets(batch: Any, target: Tensor, ignore_index: int, shifts: bool) -> tuple[int, Relation] | None:
-    """Which of ``batch``'s integer tensors ``target`` is, element by element, and how; None if none."""
+def find_targets(batch: Any, target: Tensor, ignore_index: int, shifts: bool) -> list[tuple[int, Relation]]:
+    """Every (position, relation) by which ``target`` is one of ``batch``'s integer tensors, element by element."""
     relations = list(Relation) if shifts else [Relation.EQUAL]
+    found = []
     for position, (_, t) in enumerate(integer_tensors(batch)):
         for relation in relations:
             candidate = relation.of(t, ignore_index)
             if candidate.numel() == target.numel() and torch.equal(
                 candidate.reshape(-1).to(target.device, target.dtype), target.reshape(-1)
             ):
-                return position, relation
-    return None
+                found.append((position, relation))
+    return found
 
 
 @dataclass
@@ -213,6 +215,11 @@ class MicrobatchWeights:
         if not math.isclose(seen, expected, rel_tol=_COUNT_RTOL):
             if backpropagated:
                 raise TokenMeanError(self._refusal(site, call, index, seen, expected, len(microbatches)))
+            warnings.warn(
+                f"{self._refusal(site, call, index, seen, expected, len(microbatches)).split('. pp weights')[0]}: "
+                f"the microbatches' logged means are combined unweighted for this batch, which is not one process's "
+                f"mean over it where they count different targets."
+            )
             self.record(None)
             return None
         if site.counts is None:  # every call counts the same: pp's mean of means is the batch's mean
@@ -220,36 +227,37 @@ class MicrobatchWeights:
         return site.counts[index] * len(microbatches) / site.counts.sum()
 
     def _predict(self, bound: dict, microbatches: list, index: int, seen: float, group: Group) -> _Site:
-        """Every microbatch's count for this call site, read from the tensor of the batch its targets are."""
+        """Every microbatch's count for this call site, read from the tensor of the batch its targets are.
+
+        Targets may equal several tensors here (``input_ids[..., 1:]`` and ``labels[..., 1:]`` where this
+        microbatch masks nothing): where they count differently elsewhere, those holding ``ignore_index``
+        somewhere in the run (labels) are preferred over those without (inputs), then the first."""
         target, ignore_index = bound["target"], bound.get("ignore_index", -100)
-        found = None
-        if not target.is_floating_point():
-            found = find_targets(microbatches[index], target, ignore_index, self.shifts)
-        counts = torch.zeros(len(microbatches), dtype=torch.float64, device=target.device)
-        name = ""
-        if found is not None:
-            position, relation = found
-            for j, mb in enumerate(microbatches):
-                tensors = integer_tensors(mb)
-                t = relation.of(tensors[position][1], ignore_index)
-                counts[j] = counted_targets({**bound, "target": t.reshape(-1).to(target.device)})
+        matches = [] if target.is_floating_point() else find_targets(microbatches[index], target, ignore_index,
+                                                                      self.shifts)  # fmt: skip
+        candidates = []  # (counts in every microbatch, what they were read from, whether it holds ignore_index)
+        for position, relation in matches:
+            tensors = [integer_tensors(mb)[position][1] for mb in microbatches]
+            counts = tuple(
+                float(counted_targets({**bound, "target": relation.of(t, ignore_index).reshape(-1).to(target.device)}))
+                for t in tensors
+            )
             name = relation.value.format(integer_tensors(microbatches[index])[position][0])
-        # Every rank of the group must read the same tensor the same way: code = position x 3 + relation + 1.
-        code = 0.0 if found is None else float(found[0] * len(Relation) + list(Relation).index(found[1]) + 1)
-        table = torch.cat([counts, torch.tensor([code, code * code], dtype=torch.float64, device=counts.device)])
+            candidates.append((counts, name, any(bool((t == ignore_index).any()) for t in tensors)))
+        if len({c[0] for c in candidates}) > 1:
+            candidates = [c for c in candidates if c[2]] or candidates
+        # Still several (targets all ignored here): the first, labels before other entries, unshifted first;
+        # every later call checks it.
+        chosen = candidates[0] if candidates else None
+        local = [0.0] * len(microbatches) if chosen is None else list(chosen[0])
+        # Each rank's counts are its own tensors'; their sum is what the group's calls count (checked per call).
+        table = torch.tensor([*local, float(chosen is not None)], dtype=torch.float64, device=target.device)
         group_, size = group
         if size > 1:
             dist.all_reduce(table, group=group_)
-        codes, squares = float(table[-2]), float(table[-1])
-        if not math.isclose(codes * codes, size * squares, rel_tol=_COUNT_RTOL, abs_tol=0.0):
-            raise TokenMeanError(
-                f"the ranks holding parts of the batch found the step's cross-entropy targets in different tensors "
-                f"of their microbatches ({name or 'none'} here), so its mean cannot be weighted the same on every "
-                f"rank; give every rank the same batch structure, or use pp=1."
-            )
-        if found is None:
+        if int(table[-1]) != size:  # some rank read nothing: every microbatch must count the same
             return _Site(counts=None, first=seen)
-        return _Site(counts=table[:-2], reads=name)
+        return _Site(counts=table[:-1], reads=chosen[1] if chosen is not None else "")
 
     @staticmethod
     def _refusal(site: _Site, call: int, index: int, seen: float, expected: float, m: int) -> str:
@@ -273,8 +281,8 @@ class MicrobatchWeights:
 class TokenMean(TorchFunctionMode):
     """While a step runs: its ``F.cross_entropy`` means taken over the batch (module docstring).
 
-    ``backward``: the group of a call that will be backpropagated (dp x cp in training; None in
-    evaluation), ``values``: the group of any other call (cp). ``mark`` records a value that is
+    ``backward``: the group of every call in training (dp x cp, where gradients are averaged; None
+    in evaluation), ``values``: the group in evaluation (cp). ``mark`` records a value that is
     already the same on every cp rank."""
 
     def __init__(
@@ -293,9 +301,8 @@ class TokenMean(TorchFunctionMode):
         bound = bind_cross_entropy(args, kwargs)
         if bound is None:
             return func(*args, **kwargs)
-        logits = bound["input"]
-        backpropagated = self.backward is not None and torch.is_grad_enabled() and logits.requires_grad
-        group = self.backward if backpropagated else self.values
+        backpropagated = self.backward is not None and torch.is_grad_enabled() and bound["input"].requires_grad
+        group = self.values if self.backward is None else self.backward
         local_sum = func(**{**bound, "reduction": "sum"})
         count = counted_targets(bound)
         wide = torch.promote_types(local_sum.dtype, torch.float32)  # a bf16 count above 256 is already rounded

@@ -118,20 +118,23 @@ def _combine_logs(
     Integers are counts of their microbatch: the batch's count is their sum, under the default
     mean too (one process logs the whole batch's count). A float count logged with the mean
     cannot be told from a mean and is averaged (docs/pipeline_parallel.md). ``weights``: the
-    targets each microbatch's cross-entropy counted (parallel/token_mean.py): a mean logged by
-    every microbatch is weighted by them, as one process's mean over the whole batch."""
+    targets each microbatch's cross-entropy counted (parallel/token_mean.py): a mean logged once
+    by every microbatch is weighted by them, as one process's mean over the whole batch."""
     values: dict[str, list[float]] = {}
+    logged_in: dict[str, list[int]] = {}  # which microbatch logged each value
     options: dict[str, dict] = {}
-    for records in per_microbatch:
+    for microbatch, records in enumerate(per_microbatch):
         for name, value, kwargs in records:
             values.setdefault(name, []).append(value)
+            logged_in.setdefault(name, []).append(microbatch)
             options[name] = kwargs
     combined = []
     for name, v in values.items():
         fx = reduce_fx_name(options[name].get("reduce_fx", "mean"))
         if fx == "mean" and all(isinstance(x, int) for x in v):
             fx = "sum"
-        combine = _REDUCE.get(fx, lambda x: _weighted_mean(x, weights))
+        once_each = weights is not None and logged_in[name] == list(range(len(weights)))
+        combine = _REDUCE.get(fx, lambda x: _weighted_mean(x, weights if once_each else None))
         combined.append((name, float(combine(v)), options[name]))
     return combined
 

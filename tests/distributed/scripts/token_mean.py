@@ -15,7 +15,8 @@ pipeline microbatches count different numbers of targets. ``labels`` says where 
 ``model: "qwen3"``: the zoo's Hugging Face Qwen3 (``tests/zoo``), its loss computed inside the
 model from ``labels=`` (``labels: "shifted"``), as Hugging Face's causal LMs do.
 ``reduction: "sum"`` trains on the cross-entropy's sum divided by the step's own count of targets
-(the usual hand-written mean, and Hugging Face's with ``num_items_in_batch``), with SGD. ``accumulate``: Lightning's accumulate_grad_batches. ``validate``: a
+(the usual hand-written mean, and Hugging Face's with ``num_items_in_batch``), with SGD. ``checks``: the same mean cross-entropy computed under ``torch.no_grad()`` in each step.
+``accumulate``: Lightning's accumulate_grad_batches. ``validate``: a
 validation pass after the fit, its logged ``val_loss`` recorded. Rank 0 writes, per case, the final
 full parameters, the logged losses and the val_loss, or the error that stopped the fit
 (tests/distributed/test_token_mean.py).
@@ -89,6 +90,10 @@ class PromptedLM(RecordingLM):
     labels = "aligned"
     reduction = "mean"
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.checks: list[float] = []
+
     def configure_optimizers(self):
         if self.reduction == "sum":
             return torch.optim.SGD(self.parameters(), lr=0.05)
@@ -104,6 +109,9 @@ class PromptedLM(RecordingLM):
             labels[positions < batch["prompt"][:, None]] = -100
         else:
             labels = batch["labels"]
+        if self.reduction == "mean":  # a value without gradients (a metric; the FP8 check's reference) matches
+            with torch.no_grad():
+                self.checks.append(float(F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())))
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction=self.reduction)
         return loss / (labels != -100).sum() if self.reduction == "sum" else loss
 
@@ -135,7 +143,7 @@ def run(case: dict) -> dict:
     except (lightning_5d.TokenMeanError, PipelinePeerError) as error:  # pp: the last stage's refusal
         return {"error": f"{type(error).__name__}: {error}"}
     out = {"params": {k: v.detach().clone() for k, v in trainer.strategy.full_model_state().items()},
-           "losses": [float(x) for x in module.losses],
+           "losses": [float(x) for x in module.losses], "checks": list(getattr(module, "checks", [])),
            "logged": float(trainer.callback_metrics.get("train_loss", float("nan")))}  # fmt: skip
     if case.get("validate"):
         trainer.limit_val_batches = 2

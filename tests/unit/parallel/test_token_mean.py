@@ -133,7 +133,8 @@ def test_targets_masked_inside_the_step_are_refused_under_uneven_counts():
     (expected,) = torch.autograd.grad(masked_in_step(batch), weight)
     piped, _ = pipeline_run(batch, 2, masked_in_step)
     torch.testing.assert_close(torch.autograd.grad(piped, weight)[0], expected, rtol=1e-6, atol=1e-7)
-    with torch.no_grad():  # a value computed without gradients (a metric): not refused, logged unweighted
+    # A value computed without gradients (a metric, validation): not refused, logged unweighted, with a warning.
+    with torch.no_grad(), pytest.warns(UserWarning, match="logged means are combined unweighted"):
         batch["prompt"] = torch.tensor([0, 5, 1, 2])
         _, logged = pipeline_run(batch, 2, masked_in_step)
         halves = [float(masked_in_step(cut(batch, 2, j))) for j in range(2)]
@@ -181,9 +182,32 @@ def test_targets_found_by_their_values_in_any_layout_of_the_batch():
         torch.testing.assert_close(torch.autograd.grad(piped, weight)[0], expected, rtol=1e-6, atol=1e-7)
         assert abs(logged - float(step(batch).detach())) <= 1e-6
     labels = shifted["labels"]
-    assert find_targets(shifted, labels[..., 1:], -100, shifts=True) == (0, Relation.SHIFTED)
-    assert find_targets(shifted, labels[..., 1:], -100, shifts=False) is None  # cp: no shifted targets
-    assert find_targets(as_tuple, as_tuple[1], -100, shifts=True) == (1, Relation.EQUAL)
+    assert find_targets(shifted, labels[..., 1:], -100, shifts=True) == [(0, Relation.SHIFTED)]
+    assert find_targets(shifted, labels[..., 1:], -100, shifts=False) == []  # cp: no shifted targets
+    assert find_targets(as_tuple, as_tuple[1], -100, shifts=True) == [(1, Relation.EQUAL)]
+
+
+def test_targets_equal_to_the_inputs_in_a_microbatch_that_masks_nothing_are_read_from_the_labels():
+    """A tuple (input_ids, labels, attention_mask) with labels equal to the inputs, -100 on left padding in
+    microbatch 1 only: in microbatch 0 the step's targets labels[:, 1:] equal input_ids[:, 1:] too, which
+    count differently in microbatch 1. The tensor that holds -100 in the run is the labels."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (4, SEQ), generator=g)
+    labels = ids.clone()
+    labels[2:, :2] = -100  # left padding in microbatch 1
+    batch = (ids, labels, torch.ones_like(ids))
+    weight = torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(1), requires_grad=True)
+
+    def step(b):
+        logits = logits_for({"input_ids": b[0]}, weight)[:, :-1]
+        return F.cross_entropy(logits.flatten(0, 1), b[1][:, 1:].flatten())
+
+    assert find_targets(cut(batch, 2, 0), labels[:2, 1:], -100, shifts=True) == [(0, Relation.SHIFTED),
+                                                                                 (1, Relation.SHIFTED)]  # fmt: skip
+    (expected,) = torch.autograd.grad(step(batch), weight)
+    piped, logged = pipeline_run(batch, 2, step)
+    torch.testing.assert_close(torch.autograd.grad(piped, weight)[0], expected, rtol=1e-6, atol=1e-7)
+    assert abs(logged - float(step(batch).detach())) <= 1e-6
 
 
 def test_per_token_and_legacy_calls_are_left_as_they_are():

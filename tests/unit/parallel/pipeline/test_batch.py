@@ -53,3 +53,5 @@ def test_means_weighted_by_the_targets_each_microbatch_counts():
                                 weights)  # fmt: skip
     assert merged["loss"].item() == 2.0
     assert merge_step_outputs([torch.tensor(1.0), torch.tensor(5.0)], [0.0, 0.0]).item() == 3.0  # no targets
+    twice = [[("a", 1.0, {}), ("a", 7.0, {})], []]  # logged twice by one microbatch: which weight is whose?
+    assert _combine_logs(twice, [1.0, 3.0]) == [("a", 4.0, {})]
