@@ -59,7 +59,7 @@ from lightning_5d.config import LayoutError
 CROSS_ENTROPY_ARGS = (
     "input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing",
 )  # fmt: skip
-LABEL_KEYS = ("labels", "label", "targets", "target")  # looked at first: the names data loaders use
+LABEL_KEYS = ("labels", "label", "targets", "target")  # a batch's labels by the names data loaders use (cp too)
 _COUNT_RTOL = 1e-9  # class-weight sums may add in another order than the labels' count
 Group = tuple[Any, int]  # (process group, size)
 

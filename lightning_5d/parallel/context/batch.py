@@ -23,9 +23,9 @@ from torch import Tensor
 
 from lightning_5d.config import LayoutError, SequenceSharding
 from lightning_5d.parallel.context.ring import contiguous_shard, zigzag_shard
+from lightning_5d.parallel.token_mean import LABEL_KEYS
 
 IGNORE_INDEX = -100
-_LABEL_KEYS = ("labels", "label", "targets", "target")
 _NOT_LABELS = ("input_ids", "attention_mask", "position_ids", "token_type_ids", "inputs_embeds")
 
 
@@ -106,7 +106,7 @@ def _sequence_of(batch: Any, cp: int) -> tuple[int, Tensor, Tensor | None]:
             raise ContextParallelError(
                 f"cp={cp} cuts sequences, but the batch (keys {sorted(batch)}) holds no [batch, sequence] tensor."
             )
-        labels = next((tensors[k] for k in _LABEL_KEYS if k in tensors), None)
+        labels = next((tensors[k] for k in LABEL_KEYS if k in tensors), None)
         if labels is not None and not _same_sequence(labels, reference):
             raise ContextParallelError(
                 f"cp={cp} cuts sequences, but the batch's labels have shape {tuple(labels.shape)}, not [batch, "

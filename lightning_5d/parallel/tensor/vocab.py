@@ -30,6 +30,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.overrides import TorchFunctionMode
 
 from lightning_5d.parallel.tensor.ops import reduce_from_tp
+from lightning_5d.parallel.token_mean import CROSS_ENTROPY_ARGS
 
 
 def vocab_range(vocab_size: int, rank: int, size: int) -> tuple[int, int]:
@@ -171,7 +172,6 @@ def _is_vocab_sharded(x: Any) -> bool:
     )
 
 
-_ARGS = ("input", "target", "weight", "size_average", "ignore_index", "reduce", "reduction", "label_smoothing")
 
 
 _ARG_REDUCTIONS = (torch.argmax, torch.argmin, Tensor.argmax, Tensor.argmin)
@@ -200,7 +200,7 @@ class _LossParallelMode(TorchFunctionMode):
             args, kwargs = _with_nonnegative_dim(args, kwargs)
             return func(*args, **kwargs)
         if func is F.cross_entropy:
-            bound = {**dict(zip(_ARGS, args)), **kwargs}
+            bound = {**dict(zip(CROSS_ENTROPY_ARGS, args)), **kwargs}
             logits, target = bound.get("input"), bound.get("target")
             if _is_vocab_sharded(logits) and not isinstance(target, DTensor):
                 if _plain_cross_entropy(bound, target):
